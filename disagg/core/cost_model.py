@@ -1,0 +1,228 @@
+"""The cost model: what one engine step costs on the target hardware, and the SLO targets.
+
+One plain data object, loaded from and saved to YAML, read by the live router, the simulator, the
+TTFT estimator and written by calibration. Every time it knows is in seconds.
+
+The engine model is linear in the work of one continuous-batching step::
+
+    step_s = step_base_s + prefill_token_s * prefill_tokens + decode_seq_s * decode_seqs
+
+so a lone prefill of p tokens takes ``step_base_s + p * prefill_token_s`` (τ_pre is the slope, the
+step base the intercept) and one decode token at concurrency b takes ``step_base_s + b * decode_seq_s``
+(τ_dec(b)). KV transfer between a prefill and a decode instance takes
+``latency_s + tokens / tokens_per_s``. Constants can differ per instance (heterogeneous fleets) and
+per (prefill, decode) pair (for example same node vs across nodes); the defaults apply otherwise.
+
+Units are checked on load: a cost model whose numbers cannot describe real hardware (a decode step
+above a second, a zero prefill slope) is refused with the offending value named — with wrong units
+the marginal-cost scorer silently degenerates into queue counting, which is the failure the
+calibration paper measured.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from functools import cached_property
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from disagg.core.types import SloClass
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConstants(_Strict):
+    """Step-time model and scheduler limits of one engine instance."""
+
+    step_base_s: float = Field(ge=0.0, le=1.0, description="fixed cost of one engine step (s)")
+    prefill_token_s: float = Field(gt=0.0, le=0.01, description="τ_pre: seconds per prompt token")
+    decode_seq_s: float = Field(ge=0.0, le=1.0, description="added step time per decoding sequence (s)")
+    kv_capacity_tokens: int = Field(gt=0, description="KV cache capacity in tokens")
+    block_size: int = Field(default=16, gt=0, description="KV block size in tokens")
+    max_num_seqs: int = Field(default=256, gt=0, description="cap on running sequences")
+    max_batched_tokens: int = Field(default=2048, gt=0, description="token budget per step (chunked prefill)")
+
+    @model_validator(mode="after")
+    def _decode_step_is_physical(self) -> "EngineConstants":
+        one_token = self.step_base_s + self.decode_seq_s
+        if one_token <= 0.0 or one_token > 1.0:
+            raise ValueError(
+                f"decode time per token at batch 1 is {one_token!r} s (step_base_s + decode_seq_s); "
+                "it must be in (0, 1] s — are the units seconds?"
+            )
+        return self
+
+    def step_s(self, prefill_tokens: int, decode_seqs: int) -> float:
+        return self.step_base_s + self.prefill_token_s * prefill_tokens + self.decode_seq_s * decode_seqs
+
+    def prefill_s(self, prompt_tokens: int) -> float:
+        """A lone prefill, chunked by the step token budget (each chunk pays the step base)."""
+        chunks = -(-prompt_tokens // self.max_batched_tokens)
+        return chunks * self.step_base_s + self.prefill_token_s * prompt_tokens
+
+    def decode_token_s(self, concurrency: int) -> float:
+        """τ_dec at a given number of co-running sequences (≥ 1)."""
+        return self.step_base_s + self.decode_seq_s * max(1, concurrency)
+
+
+class TransferConstants(_Strict):
+    latency_s: float = Field(ge=0.0, le=10.0, description="fixed cost of one KV transfer (s)")
+    tokens_per_s: float = Field(gt=0.0, description="KV transfer bandwidth in tokens per second")
+
+    def transfer_s(self, tokens: int) -> float:
+        return self.latency_s + tokens / self.tokens_per_s
+
+
+class SloTarget(_Strict):
+    ttft_s: float = Field(gt=0.0, description="time-to-first-token target (s)")
+    tpot_s: float = Field(gt=0.0, description="time-per-output-token target (s)")
+
+
+class CostModel(_Strict):
+    """Calibrated constants for one deployment: engines, KV transfer, SLO targets."""
+
+    name: str = Field(description="what this file describes, e.g. 'a40-qwen2.5-3b'")
+    model: str = Field(default="", description="the model these constants were measured with")
+    engine: EngineConstants
+    transfer: TransferConstants
+    slo: dict[SloClass, SloTarget]
+    instances: dict[str, EngineConstants] = Field(
+        default_factory=dict, description="per-instance overrides (heterogeneous fleets)"
+    )
+    pairs: dict[str, TransferConstants] = Field(
+        default_factory=dict, description="per 'prefill->decode' pair transfer overrides"
+    )
+    calibrated: bool = Field(default=False, description="true when written by `disagg calibrate`")
+
+    @field_validator("slo")
+    @classmethod
+    def _every_class_has_a_target(cls, v: dict[SloClass, SloTarget]) -> dict[SloClass, SloTarget]:
+        missing = [c.value for c in SloClass if c not in v]
+        if missing:
+            raise ValueError(f"missing SLO targets for class(es) {missing}")
+        return v
+
+    @field_validator("pairs")
+    @classmethod
+    def _pair_keys(cls, v: dict[str, TransferConstants]) -> dict[str, TransferConstants]:
+        for key in v:
+            if key.count("->") != 1:
+                raise ValueError(f"pair key {key!r} must look like 'prefill_id->decode_id'")
+        return v
+
+    def for_instance(self, instance_id: str) -> EngineConstants:
+        return self.instances.get(instance_id, self.engine)
+
+    def transfer_between(self, prefill_id: str, decode_id: str) -> TransferConstants:
+        return self.pairs.get(f"{prefill_id}->{decode_id}", self.transfer)
+
+    def transfer_s(self, prefill_id: str, decode_id: str, tokens: int) -> float:
+        if prefill_id == decode_id:
+            return 0.0
+        return self.transfer_between(prefill_id, decode_id).transfer_s(tokens)
+
+    def target(self, slo_class: SloClass) -> SloTarget:
+        return self.slo[slo_class]
+
+    @cached_property
+    def max_kv_capacity_tokens(self) -> int:
+        return max([self.engine.kv_capacity_tokens, *(c.kv_capacity_tokens for c in self.instances.values())])
+
+    # --- YAML edge -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "<dict>") -> "CostModel":
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise CostModelError(_explain(e, source)) from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise CostModelError(f"{path}: no such cost-model file") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark else str(path)
+            raise CostModelError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+        if not isinstance(data, dict):
+            raise CostModelError(f"{path}: a cost model is a YAML mapping, got {type(data).__name__}")
+        return cls.from_dict(data, source=_locator(path))
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically: a reader never sees half a file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+class CostModelError(ValueError):
+    """A cost-model file or dict that cannot be used; the message names file, line and field."""
+
+
+def load_profile(name_or_path: str | Path) -> CostModel:
+    """A shipped profile by name ('a40', 'cpu-tiny') or any cost-model YAML by path."""
+    candidate = PROFILES_DIR / f"{name_or_path}.yaml"
+    if isinstance(name_or_path, str) and candidate.exists():
+        return CostModel.load(candidate)
+    path = Path(name_or_path)
+    if path.exists():
+        return CostModel.load(path)
+    known = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+    raise CostModelError(f"no cost-model profile or file {str(name_or_path)!r}; shipped profiles: {known}")
+
+
+def _locator(path: Path):
+    """Map a pydantic error location to 'file:line' by finding the key's line in the YAML."""
+    try:
+        root = yaml.compose(path.read_text())
+    except yaml.YAMLError:
+        root = None
+    return (path, root)
+
+
+def _explain(err: ValidationError, source) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        where = source
+        if isinstance(source, tuple):
+            path, root = source
+            where = f"{path}:{_line_of(root, e['loc'])}"
+        lines.append(f"{where}: field '{loc}': {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _line_of(node, loc) -> int:
+    """1-based line of the deepest YAML node along `loc` (the parent's, for a missing key)."""
+    line = node.start_mark.line + 1 if node is not None else 1
+    for key in loc:
+        if not isinstance(node, yaml.MappingNode):
+            break
+        for k, v in node.value:
+            if k.value == str(key):
+                node, line = v, k.start_mark.line + 1
+                break
+        else:
+            break
+    return line

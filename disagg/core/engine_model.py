@@ -1,0 +1,376 @@
+"""A step-level model of one vLLM engine's continuous batching, fast enough to replay a day of traffic.
+
+Used by the simulator for every instance, and by the TTFT estimator to run an instance's state
+forward: one engine model, not two. Pure: the caller owns the clock and the event heap; the model
+says when its current step ends and what happened in it.
+
+What is modelled (vLLM v1 scheduler semantics):
+- one step at a time; each step decodes one token for every running sequence, then fills the rest
+  of the token budget (`max_batched_tokens`) with prefill chunks — chunked prefill — first for
+  requests already prefilling, then by admitting waiting requests in FCFS order;
+- step time from the calibrated cost model: base + τ_pre·prefill tokens + per-sequence decode cost;
+- at most `max_num_seqs` running sequences;
+- paged KV: a sequence holds ceil(tokens / block_size) blocks; blocks are allocated as chunks and
+  tokens are written; a waiting request is admitted only when blocks for its first chunk are free,
+  and FCFS admission stops at the first request that does not fit;
+- preemption by recompute when a decode step needs a block and none is free: the most recently
+  admitted sequence is evicted to the front of the queue and later recomputes prompt + output;
+- prefill-only requests (a disaggregated prefill) keep their KV after the first token until the
+  transfer out ends (`release`); decode-side requests whose KV arrives by transfer are admitted
+  with blocks for the whole prompt, hold them during the transfer without computing, and then
+  decode (their first step produces the first token).
+
+What is not: prefix caching, speculative decoding, the dependence of step time on context
+length, CPU-side overheads (tokenisation, detokenisation, HTTP) and the block that vLLM writes
+for the last prompt token on the decode side (one token per request).
+
+Speed: decoding sequences share one step counter, so advancing the whole batch is O(1); between
+events (an arrival, a completion, running out of blocks) the model plans a *macro step* of k
+identical decode steps at once, and an arrival truncates it at the end of the step in flight.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from disagg.core.cost_model import EngineConstants
+
+
+class JobState(Enum):
+    WAITING = 0
+    TRANSFER_IN = 1  # decode side: blocks held, KV arriving
+    READY = 2  # decode side: KV arrived, joins the batch at the next step
+    PREFILLING = 3
+    DECODING = 4
+    HOLDING = 5  # prefill side: first token out, KV held until transferred
+    DONE = 6
+
+
+class Job:
+    """One request's life on one engine."""
+
+    __slots__ = (
+        "rid", "prompt", "target", "remote_kv", "prefill_only", "payload",
+        "computed", "prefill_goal", "kvlen", "generated", "blocks", "state",
+        "base", "gbase", "fin_step", "epoch", "t_first", "t_last", "preemptions",
+    )
+
+    def __init__(self, rid, prompt: int, target: int, *, remote_kv: bool = False, prefill_only: bool = False, payload=None):
+        if prompt < 1 or target < 1:
+            raise ValueError(f"job {rid!r}: prompt and target must be >= 1, got {prompt}, {target}")
+        self.rid = rid
+        self.prompt = prompt
+        self.target = 1 if prefill_only else target
+        self.remote_kv = remote_kv
+        self.prefill_only = prefill_only
+        self.payload = payload
+        self.computed = 0  # prompt(+recomputed output) tokens whose KV is computed here
+        self.prefill_goal = prompt
+        self.kvlen = 0
+        self.generated = 0
+        self.blocks = 0
+        self.state = JobState.WAITING
+        self.base = 0  # while decoding: kvlen = base + engine.step
+        self.gbase = 0  # while decoding: generated = gbase + engine.step
+        self.fin_step = 0
+        self.epoch = 0
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.preemptions = 0
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    prefilled: list[Job] = field(default_factory=list)  # prefill-only jobs now HOLDING
+    finished: list[Job] = field(default_factory=list)  # jobs whose last token is out
+
+
+class EngineModel:
+    def __init__(self, instance_id: str, constants: EngineConstants) -> None:
+        self.instance_id = instance_id
+        self.c = constants
+        self.bs = constants.block_size
+        self.total_blocks = constants.kv_capacity_tokens // constants.block_size
+        self.free_blocks = self.total_blocks
+        self.waiting: deque[Job] = deque()
+        self.prefilling: list[Job] = []
+        self.decoding: dict[object, Job] = {}
+        self.ready: list[Job] = []
+        self.holding = 0
+        self.transferring = 0
+        self._fin: list[tuple[int, int, int, Job]] = []  # (finish step, seq, epoch, job)
+        self._phase = [0] * self.bs  # decoding jobs by base % block_size
+        self.step = 0
+        self._seq = 0
+        # the step (or macro step) in flight
+        self.busy = False
+        self._start = 0.0
+        self._dur = 0.0
+        self._k = 0
+        self._chunks: list[tuple[Job, int]] = []
+        self._joined: list[Job] = []
+        self._transfers: list[Job] = []
+        self.steps_run = 0
+        self.preemptions = 0
+
+    # --- what the router's poll sees -------------------------------------------------------
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return (self.total_blocks - self.free_blocks) * self.bs
+
+    @property
+    def running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.ready) + self.transferring
+
+    def idle(self) -> bool:
+        return not (self.busy or self.waiting or self.prefilling or self.decoding or self.ready)
+
+    def can_ever_fit(self, tokens: int) -> bool:
+        return -(-(tokens + 1) // self.bs) <= self.total_blocks
+
+    # --- inputs ------------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        """Queue a job. The caller then calls `poke(now)` to (re)schedule."""
+        job.state = JobState.WAITING
+        self.waiting.append(job)
+
+    def kv_arrived(self, job: Job) -> None:
+        """The decode-side transfer for `job` finished; it decodes from the next step."""
+        if job.state is not JobState.TRANSFER_IN:
+            raise ValueError(f"job {job.rid!r} is not transferring (state {job.state.name})")
+        self.transferring -= 1
+        job.state = JobState.READY
+        self.ready.append(job)
+
+    def release(self, job: Job) -> None:
+        """The prefill side's KV for `job` has been transferred out: free its blocks."""
+        if job.state is not JobState.HOLDING:
+            raise ValueError(f"job {job.rid!r} is not holding KV (state {job.state.name})")
+        self.free_blocks += job.blocks
+        job.blocks = 0
+        job.state = JobState.DONE
+        self.holding -= 1
+
+    def take_transfers(self) -> list[Job]:
+        """Decode-side jobs admitted since the last call: the caller starts their KV transfers."""
+        out, self._transfers = self._transfers, []
+        return out
+
+    def poke(self, now: float) -> float | None:
+        """New work may be schedulable. Returns a new step-end time if the caller must schedule one
+        (the engine was idle, or a macro step was cut short), else None. Afterwards the caller
+        drains `take_transfers()`."""
+        if not self.busy:
+            return self._plan(now)
+        if self._k > 1:
+            done = int((now - self._start) / self._dur + 1e-9)
+            keep = min(self._k, done + 1)
+            if keep < self._k:
+                self._k = keep
+                return self._start + keep * self._dur
+        return None
+
+    @property
+    def step_end(self) -> float:
+        return self._start + self._k * self._dur
+
+    # --- the step ------------------------------------------------------------------------------
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.bs)
+
+    def _blocks_over(self, k: int) -> int:
+        """Blocks the decoding batch allocates over the next k decode steps."""
+        n = len(self.decoding)
+        full, rem = divmod(k, self.bs)
+        total = full * n
+        s = self.step
+        for i in range(rem):
+            total += self._phase[(-(s + i)) % self.bs]
+        return total
+
+    def _plan(self, now: float) -> float | None:
+        for job in self.ready:
+            self._join(job, generated=0)
+        self.ready.clear()
+        while self._blocks_over(1) > self.free_blocks and (self.decoding or self.prefilling):
+            self._preempt_newest()
+        n = len(self.decoding)
+        budget = self.c.max_batched_tokens - n
+        reserved = self._blocks_over(1)  # the decode step's own new blocks come first
+        self.free_blocks -= reserved
+        chunks: list[tuple[Job, int]] = []
+        for job in self.prefilling:
+            if budget <= 0:
+                break
+            c = self._grant(job, budget)
+            if c == 0:
+                break
+            chunks.append((job, c))
+            budget -= c
+        while self.waiting and budget > 0:
+            job = self.waiting[0]
+            if job.remote_kv and job.computed == 0:
+                need = self._blocks_for(job.prompt)
+                if need > self.free_blocks:
+                    break
+                self.waiting.popleft()
+                self.free_blocks -= need
+                job.blocks = need
+                job.kvlen = job.computed = job.prompt
+                job.state = JobState.TRANSFER_IN
+                self.transferring += 1
+                self._transfers.append(job)
+                continue
+            if self.running >= self.c.max_num_seqs:
+                break
+            c = self._grant(job, budget)
+            if c == 0:
+                break
+            self.waiting.popleft()
+            job.state = JobState.PREFILLING
+            self.prefilling.append(job)
+            chunks.append((job, c))
+            budget -= c
+        self.free_blocks += reserved
+        if not chunks and not self.decoding and self.prefilling:
+            # Partial prefills hold all the blocks and none can go on: evict the newest.
+            self._preempt_newest()
+            return self._plan(now)
+        self._chunks = chunks
+        if chunks:
+            self._k = 1
+            self._dur = self.c.step_s(sum(c for _, c in chunks), n)
+        elif n:
+            while self._fin and self._fin[0][3].epoch != self._fin[0][2]:
+                heapq.heappop(self._fin)
+            k_fin = max(1, self._fin[0][0] - self.step)
+            k = k_fin
+            if self._blocks_over(k) > self.free_blocks:
+                lo, hi = 1, k  # largest k whose allocations fit (k=1 fits: preemption above)
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if self._blocks_over(mid) <= self.free_blocks:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                k = lo
+            self._k = k
+            self._dur = self.c.step_s(0, n)
+        else:
+            self.busy = False
+            return None
+        self.busy = True
+        self._start = now
+        return now + self._k * self._dur
+
+    def _grant(self, job: Job, budget: int) -> int:
+        """Allocate blocks for the next prefill chunk of `job`; the chunk size, 0 if none fit."""
+        c = min(job.prefill_goal - job.computed, budget)
+        need = self._blocks_for(job.kvlen + c) - job.blocks
+        if need > self.free_blocks:
+            # Shrink the chunk to what the free blocks hold (vLLM schedules partial chunks too).
+            c = (job.blocks + self.free_blocks) * self.bs - job.kvlen
+            if c <= 0:
+                return 0
+            need = self._blocks_for(job.kvlen + c) - job.blocks
+        self.free_blocks -= need
+        job.blocks += need
+        return c
+
+    def end_step(self, now: float) -> StepOutcome:
+        """The step in flight ended at `now`: advance state; returns what happened since the last call."""
+        out = StepOutcome()
+        k = self._k
+        grown = self._blocks_over(k)
+        self.free_blocks -= grown
+        self.step += k
+        self.steps_run += k
+        first_step_end = self._start + self._dur
+        for job in self._joined:
+            if job.state is JobState.DECODING and job.t_first is None:
+                job.t_first = first_step_end
+        self._joined.clear()
+        for job, c in self._chunks:
+            job.computed += c
+            job.kvlen += c
+            if job.computed < job.prefill_goal:
+                continue
+            self.prefilling.remove(job)
+            job.generated += 1
+            if job.t_first is None:
+                job.t_first = now
+            if job.prefill_only:
+                job.state = JobState.HOLDING
+                job.t_last = now
+                self.holding += 1
+                out.prefilled.append(job)
+            elif job.generated >= job.target:
+                self._finish(job, now, out)
+            else:
+                self._join(job, generated=job.generated)
+        self._chunks = []
+        while self._fin and self._fin[0][0] <= self.step:
+            _, _, epoch, job = heapq.heappop(self._fin)
+            if job.epoch != epoch or job.state is not JobState.DECODING:
+                continue
+            self._leave_decoding(job)
+            self._finish(job, now, out)
+        # blocks grown by sequences that just left are already counted in their kvlen
+        self.busy = False
+        return out
+
+    def _join(self, job: Job, generated: int) -> None:
+        job.state = JobState.DECODING
+        job.generated = generated
+        job.base = job.kvlen - self.step
+        job.gbase = generated - self.step
+        job.fin_step = self.step + (job.target - generated)
+        job.epoch += 1
+        self.decoding[job.rid] = job
+        self._phase[job.base % self.bs] += 1
+        self._seq += 1
+        heapq.heappush(self._fin, (job.fin_step, self._seq, job.epoch, job))
+        if job.t_first is None:
+            self._joined.append(job)
+
+    def _leave_decoding(self, job: Job) -> None:
+        del self.decoding[job.rid]
+        self._phase[job.base % self.bs] -= 1
+        job.kvlen = job.base + self.step
+        job.generated = job.gbase + self.step
+        job.blocks = self._blocks_for(job.kvlen)
+        job.epoch += 1
+
+    def _finish(self, job: Job, now: float, out: StepOutcome) -> None:
+        self.free_blocks += job.blocks
+        job.blocks = 0
+        job.state = JobState.DONE
+        job.t_last = now
+        out.finished.append(job)
+
+    def _preempt_newest(self) -> None:
+        """Evict the most recently admitted running sequence; it will recompute from scratch."""
+        if self.prefilling:
+            job = self.prefilling.pop()
+        else:
+            job = self.decoding[next(reversed(self.decoding))]
+            self._leave_decoding(job)
+        self.free_blocks += job.blocks
+        job.blocks = 0
+        job.kvlen = job.computed = 0
+        job.prefill_goal = job.prompt + job.generated
+        job.remote_kv = False  # the transferred KV is gone: recompute locally
+        job.state = JobState.WAITING
+        job.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(job)

@@ -1,0 +1,136 @@
+"""The router's in-flight ledger: committed work and KV per instance, in O(1) per event.
+
+The live router and the simulator keep one each and call it at the same moments:
+`admit` when a request is routed, `prefill_done` when its prefill (and KV hand-off) ends,
+`finish` when its last token is out (or it failed). Between engine polls the ledger is the
+router's freshest knowledge; `views` merges it with the latest polled engine state.
+
+Backlog is the priced work (seconds) of requests admitted and not finished — the paper's
+"seconds of work already committed". KV is each request's eventual footprint (prompt plus
+predicted output). The KV seen by a policy is the larger of the polled use and the ledger's
+commitment: the poll is late (50 ms by default) and cannot see what was just admitted, the
+ledger cannot see memory held by anything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disagg.core.types import InstanceView, Role
+
+
+@dataclass(slots=True)
+class _Entry:
+    prefill_id: str
+    decode_id: str
+    prefill_work_s: float
+    decode_work_s: float
+    prefill_kv: int
+    decode_kv: int
+    prefill_open: bool = True
+
+
+@dataclass(slots=True)
+class _Totals:
+    backlog_s: float = 0.0
+    queued: int = 0
+    kv_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PolledState:
+    """What an engine last reported (see the engine's `state()` call)."""
+
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    running: int = 0
+    waiting: int = 0
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self._totals: dict[str, _Totals] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _t(self, instance_id: str) -> _Totals:
+        t = self._totals.get(instance_id)
+        if t is None:
+            t = self._totals[instance_id] = _Totals()
+        return t
+
+    def admit(
+        self,
+        request_id: str,
+        prefill_id: str,
+        decode_id: str,
+        prefill_work_s: float,
+        decode_work_s: float,
+        prompt_tokens: int,
+        output_tokens: int,
+    ) -> None:
+        if request_id in self._entries:
+            raise KeyError(f"request {request_id!r} is already in the ledger")
+        e = _Entry(prefill_id, decode_id, prefill_work_s, decode_work_s, prompt_tokens, prompt_tokens + output_tokens)
+        self._entries[request_id] = e
+        p = self._t(prefill_id)
+        p.backlog_s += prefill_work_s
+        p.queued += 1
+        p.kv_tokens += e.prefill_kv
+        d = self._t(decode_id)
+        d.backlog_s += decode_work_s
+        d.kv_tokens += e.decode_kv
+        if decode_id != prefill_id:
+            d.queued += 1
+
+    def prefill_done(self, request_id: str) -> None:
+        """The prefill ended and its KV left the prefill instance (idempotent)."""
+        e = self._entries.get(request_id)
+        if e is None or not e.prefill_open:
+            return
+        e.prefill_open = False
+        p = self._t(e.prefill_id)
+        p.backlog_s = max(0.0, p.backlog_s - e.prefill_work_s)
+        p.kv_tokens -= e.prefill_kv
+        if e.prefill_id != e.decode_id:
+            p.queued -= 1
+
+    def finish(self, request_id: str) -> None:
+        """The request left the system, served or failed (idempotent)."""
+        self.prefill_done(request_id)
+        e = self._entries.pop(request_id, None)
+        if e is None:
+            return
+        d = self._t(e.decode_id)
+        d.backlog_s = max(0.0, d.backlog_s - e.decode_work_s)
+        d.kv_tokens -= e.decode_kv
+        d.queued -= 1
+
+    def forget_instance(self, instance_id: str) -> list[str]:
+        """An instance went away: drop its totals and return the requests that were on it."""
+        lost = [r for r, e in self._entries.items() if instance_id in (e.prefill_id, e.decode_id)]
+        for r in lost:
+            self.finish(r)
+        self._totals.pop(instance_id, None)
+        return lost
+
+    def backlog_s(self, instance_id: str) -> float:
+        t = self._totals.get(instance_id)
+        return t.backlog_s if t else 0.0
+
+    def queued(self, instance_id: str) -> int:
+        t = self._totals.get(instance_id)
+        return t.queued if t else 0
+
+    def view(self, instance_id: str, role: Role, polled: PolledState) -> InstanceView:
+        t = self._totals.get(instance_id) or _Totals()
+        return InstanceView(
+            instance_id=instance_id,
+            role=role,
+            backlog_s=t.backlog_s,
+            queued=t.queued,
+            kv_used_tokens=max(polled.kv_used_tokens, t.kv_tokens),
+            kv_capacity_tokens=polled.kv_capacity_tokens,
+        )

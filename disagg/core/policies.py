@@ -1,0 +1,396 @@
+"""Routing policies: pick a prefill and a decode instance for one request.
+
+Every policy implements one method, called by the live router and by the simulator with the same
+inputs::
+
+    choose(req, prefill, decode, now) -> Decision
+
+Contract (checked by one shared test suite for every registered policy):
+- pure: no I/O, no clock reads (`now` is passed in), never mutates its arguments;
+- returns ids drawn from the candidates (`prefill_id == decode_id` only for policies that may
+  prefill on the decode instance);
+- deterministic: the same construction and call sequence give the same decisions;
+- raises `NoCapacity` when no candidate can ever hold the request (empty pool, or a prompt
+  beyond every instance's KV capacity). A candidate that is merely busy is still a candidate.
+A policy may keep private state (a round-robin cursor); it is not shared across router replicas.
+
+Policies are built by name through `build_policy`, which rejects unknown names and unknown
+parameters with the allowed ones listed. Each policy's docstring gives its config name, parameters
+and a YAML example.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from disagg.core.cost_model import CostModel
+from disagg.core.types import CostTerms, Decision, InstanceView, NoCapacity, RequestFeatures, SloClass
+
+_REGISTRY: dict[str, type["Policy"]] = {}
+
+
+class PolicyError(ValueError):
+    """Unknown policy, duplicate registration or bad parameters."""
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Policy:
+    """Base of every routing policy; subclasses set `name`, `Params` and `choose`."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[Params]] = Params
+    simulator_only: ClassVar[bool] = False
+
+    def __init__(self, cost_model: CostModel, params: Params | None = None) -> None:
+        self.cost_model = cost_model
+        self.params = params if params is not None else self.Params()
+
+    def choose(
+        self,
+        req: RequestFeatures,
+        prefill: Sequence[InstanceView],
+        decode: Sequence[InstanceView],
+        now: float,
+    ) -> Decision:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: add a policy to the registry; a duplicate name is a bug, so it raises."""
+    if cls.name in _REGISTRY:
+        raise PolicyError(f"policy name {cls.name!r} registered twice ({_REGISTRY[cls.name].__name__}, {cls.__name__})")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def known_policies(include_simulator_only: bool = True) -> list[str]:
+    return sorted(n for n, c in _REGISTRY.items() if include_simulator_only or not c.simulator_only)
+
+
+def policy_class(name: str) -> type[Policy]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise PolicyError(f"unknown policy {name!r}; known policies: {', '.join(known_policies())}") from None
+
+
+def build_policy(name: str, cost_model: CostModel, params: dict[str, Any] | None = None) -> Policy:
+    cls = policy_class(name)
+    try:
+        parsed = cls.Params.model_validate(params or {})
+    except ValidationError as e:
+        allowed = ", ".join(cls.Params.model_fields) or "(none)"
+        msgs = "; ".join(f"'{'.'.join(map(str, x['loc']))}': {x['msg']}" for x in e.errors())
+        raise PolicyError(f"policy {name!r}: bad parameters: {msgs}. Allowed parameters: {allowed}") from None
+    return cls(cost_model, parsed)
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _fits(view: InstanceView, prompt_tokens: int) -> bool:
+    """Can this instance ever hold the prompt (plus the first generated token)?"""
+    return prompt_tokens + 1 <= view.kv_capacity_tokens
+
+
+def _feasible(pool: Sequence[InstanceView], req: RequestFeatures, pool_name: str) -> list[InstanceView]:
+    if not pool:
+        raise NoCapacity(f"the {pool_name} pool is empty")
+    ok = [v for v in pool if _fits(v, req.prompt_tokens)]
+    if not ok:
+        biggest = max(v.kv_capacity_tokens for v in pool)
+        raise NoCapacity(
+            f"prompt of {req.prompt_tokens} tokens exceeds every {pool_name} instance's KV capacity "
+            f"(largest {biggest} tokens)"
+        )
+    return ok
+
+
+class _Cursor:
+    """Round-robin cursor that tolerates pools changing size (autoscaling)."""
+
+    __slots__ = ("i",)
+
+    def __init__(self) -> None:
+        self.i = 0
+
+    def take(self, pool: Sequence[InstanceView]) -> InstanceView:
+        v = pool[self.i % len(pool)]
+        self.i += 1
+        return v
+
+    def rotated(self, pool: Sequence[InstanceView]) -> list[InstanceView]:
+        """The pool starting at the cursor, for tie-breaking that spreads load."""
+        k = self.i % len(pool)
+        self.i += 1
+        return [*pool[k:], *pool[:k]]
+
+
+# --- baselines ----------------------------------------------------------------------------------
+
+
+@register
+class RoundRobin(Policy):
+    """`round_robin`: each pool in turn, independently. No parameters.
+
+    ```yaml
+    policy: {name: round_robin}
+    ```
+    """
+
+    name = "round_robin"
+
+    def __init__(self, cost_model: CostModel, params: Params | None = None) -> None:
+        super().__init__(cost_model, params)
+        self._p, self._d = _Cursor(), _Cursor()
+
+    def choose(self, req, prefill, decode, now):
+        p = self._p.take(_feasible(prefill, req, "prefill"))
+        d = self._d.take(_feasible(decode, req, "decode"))
+        return Decision(p.instance_id, d.instance_id, self.name)
+
+
+@register
+class LeastLoaded(Policy):
+    """`least_loaded`: join the shortest queue (fewest in-flight requests) in each pool.
+
+    Ties go to the next instance in round-robin order, so an idle fleet is still spread evenly.
+
+    ```yaml
+    policy: {name: least_loaded}
+    ```
+    """
+
+    name = "least_loaded"
+
+    def __init__(self, cost_model: CostModel, params: Params | None = None) -> None:
+        super().__init__(cost_model, params)
+        self._p, self._d = _Cursor(), _Cursor()
+
+    def choose(self, req, prefill, decode, now):
+        p = min(self._p.rotated(_feasible(prefill, req, "prefill")), key=_queued)
+        d = min(self._d.rotated(_feasible(decode, req, "decode")), key=_queued)
+        return Decision(p.instance_id, d.instance_id, self.name)
+
+
+def _queued(v: InstanceView) -> int:
+    return v.queued
+
+
+def _pressure_key(extra: int):
+    return lambda v: v.pressure_after(extra)
+
+
+@register
+class LengthHeuristic(Policy):
+    """`length_heuristic`: a threshold rule on the predicted output length.
+
+    Prefill goes to the shortest queue. A request predicted to generate at least
+    `long_output_tokens` tokens is a long-lived KV tenant: it goes to the decode instance with the
+    lowest KV pressure after admission, so long generations spread by memory. Shorter ones join the
+    shortest decode queue. Ties in round-robin order.
+
+    ```yaml
+    policy: {name: length_heuristic, params: {long_output_tokens: 256}}
+    ```
+    """
+
+    class Params(Params):
+        long_output_tokens: int = Field(default=256, gt=0, description="outputs at least this long count as long")
+
+    name = "length_heuristic"
+
+    def __init__(self, cost_model: CostModel, params: Params | None = None) -> None:
+        super().__init__(cost_model, params)
+        self._p, self._d = _Cursor(), _Cursor()
+
+    def choose(self, req, prefill, decode, now):
+        p = min(self._p.rotated(_feasible(prefill, req, "prefill")), key=_queued)
+        pool = self._d.rotated(_feasible(decode, req, "decode"))
+        if req.predicted_output_tokens >= self.params.long_output_tokens:
+            d = min(pool, key=_pressure_key(req.prompt_tokens + req.predicted_output_tokens))
+        else:
+            d = min(pool, key=_queued)
+        return Decision(p.instance_id, d.instance_id, self.name)
+
+
+# --- the calibrated scorer ----------------------------------------------------------------------
+
+
+class MarginalCostParams(Params):
+    w_backlog: float = Field(default=1.0, ge=0.0, description="w_b: weight of committed backlog seconds")
+    w_service: float = Field(default=1.0, ge=0.0, description="w_s: weight of the request's own work")
+    w_queue_s: float = Field(default=0.002, ge=0.0, description="w_q: seconds charged per queued request")
+    rho: float = Field(default=1.0, ge=0.0, description="ρ: how much post-admission KV pressure slows work")
+    sigma: dict[SloClass, float] = Field(
+        default_factory=lambda: {SloClass.TIGHT: 2.0, SloClass.LOOSE: 1.0},
+        description="σ(class): amplification of strict SLO classes",
+    )
+
+
+@register
+class MarginalCost(Policy):
+    """`marginal_cost`: the calibration paper's scorer — argmin of expected marginal completion time.
+
+    For each decode candidate d, with p prompt tokens, ô predicted output tokens, SLO class s::
+
+        cost(d) = w_b·backlog(d)·σ(s) + w_s·ô·τ_dec(d)·(1 + ρ·press⁺(d))·σ(s) + w_q·queue(d)
+
+    where τ_dec(d) is d's calibrated per-token decode time at its post-admission concurrency and
+    press⁺(d) = (KV used + p + ô) / KV capacity. Prefill candidates are priced the same way with the
+    calibrated prefill time of p tokens in place of ô·τ_dec and press⁺ = (KV used + p) / capacity.
+    Argmin in each pool independently; ties go to the first candidate. The chosen candidates' terms
+    travel in the Decision, so every choice can be explained.
+
+    ```yaml
+    policy:
+      name: marginal_cost
+      params: {w_backlog: 1.0, w_service: 1.0, w_queue_s: 0.002, rho: 1.0, sigma: {tight: 2.0, loose: 1.0}}
+    ```
+    """
+
+    name = "marginal_cost"
+    Params = MarginalCostParams
+
+    def output_tokens(self, req: RequestFeatures) -> int:
+        return req.predicted_output_tokens
+
+    def prefill_terms(self, v: InstanceView, req: RequestFeatures, sigma: float) -> CostTerms:
+        prm = self.params
+        press = v.pressure_after(req.prompt_tokens)
+        work = self.cost_model.for_instance(v.instance_id).prefill_s(req.prompt_tokens)
+        return CostTerms(
+            backlog_s=prm.w_backlog * v.backlog_s * sigma,
+            own_work_s=prm.w_service * work * (1.0 + prm.rho * press) * sigma,
+            pressure=press,
+            queue_s=prm.w_queue_s * v.queued,
+            slo_weight=sigma,
+        )
+
+    def decode_terms(self, v: InstanceView, req: RequestFeatures, sigma: float, out: int) -> CostTerms:
+        prm = self.params
+        press = v.pressure_after(req.prompt_tokens + out)
+        tau_dec = self.cost_model.for_instance(v.instance_id).decode_token_s(v.queued + 1)
+        return CostTerms(
+            backlog_s=prm.w_backlog * v.backlog_s * sigma,
+            own_work_s=prm.w_service * out * tau_dec * (1.0 + prm.rho * press) * sigma,
+            pressure=press,
+            queue_s=prm.w_queue_s * v.queued,
+            slo_weight=sigma,
+        )
+
+    def choose(self, req, prefill, decode, now):
+        sigma = self.params.sigma.get(req.slo_class, 1.0)
+        out = self.output_tokens(req)
+        p_best, p_terms = _argmin(_feasible(prefill, req, "prefill"), lambda v: self.prefill_terms(v, req, sigma))
+        d_best, d_terms = _argmin(_feasible(decode, req, "decode"), lambda v: self.decode_terms(v, req, sigma, out))
+        return Decision(p_best.instance_id, d_best.instance_id, self.name, p_terms, d_terms)
+
+
+def _argmin(pool, price):
+    best, best_terms, best_total = None, None, float("inf")
+    for v in pool:
+        terms = price(v)
+        total = terms.total_s
+        if total < best_total:
+            best, best_terms, best_total = v, terms, total
+    return best, best_terms
+
+
+@register
+class Oracle(MarginalCost):
+    """`oracle`: `marginal_cost` told the true output length — an upper bound on what a better
+    output-length predictor could gain. Simulator only: live requests have no true length.
+
+    ```yaml
+    policy: {name: oracle}   # `disagg sim` only
+    ```
+    """
+
+    name = "oracle"
+    simulator_only = True
+
+    def output_tokens(self, req: RequestFeatures) -> int:
+        if req.true_output_tokens is None:
+            raise PolicyError("the oracle policy needs the true output length: it runs in the simulator only")
+        return req.true_output_tokens
+
+
+class PairCostParams(MarginalCostParams):
+    allow_colocated: bool = Field(
+        default=True, description="may prefill on the chosen decode instance when that is cheaper"
+    )
+    interference: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="share of a colocated prefill's time charged once per sequence it stalls",
+    )
+
+
+@register
+class PairCost(MarginalCost):
+    """`pair_cost`: prices (prefill, decode) as one pair, KV transfer included.
+
+    Beyond the paper: the cost of a pair is the marginal_cost prefill price on p, plus the
+    calibrated KV transfer time p→d for the prompt, plus the marginal_cost decode price on d. With
+    per-pair transfer constants (for example same node vs across nodes) the argmin is taken over
+    all pairs; otherwise it decomposes into the two independent argmins plus a constant.
+    With `allow_colocated`, each decode instance is also priced as its own prefill: no transfer,
+    but the prefill joins d's backlog and stalls the sequences running there, charged as
+    `interference × prefill time × queued(d)`.
+
+    ```yaml
+    policy: {name: pair_cost, params: {allow_colocated: true, interference: 1.0}}
+    ```
+    """
+
+    name = "pair_cost"
+    Params = PairCostParams
+
+    def choose(self, req, prefill, decode, now):
+        prm = self.params
+        cm = self.cost_model
+        sigma = prm.sigma.get(req.slo_class, 1.0)
+        out = self.output_tokens(req)
+        decode_ok = _feasible(decode, req, "decode")
+        d_priced = [(d, self.decode_terms(d, req, sigma, out)) for d in decode_ok]
+        best: tuple[float, InstanceView, CostTerms, InstanceView, CostTerms] | None = None
+
+        prefill_ok = [v for v in prefill if _fits(v, req.prompt_tokens)]
+        p_priced = [(p, self.prefill_terms(p, req, sigma)) for p in prefill_ok]
+        if cm.pairs:
+            candidates = ((p, pt, d, dt) for p, pt in p_priced for d, dt in d_priced)
+        elif p_priced:
+            p, pt = min(p_priced, key=lambda x: x[1].total_s)
+            candidates = ((p, pt, d, dt) for d, dt in d_priced)
+        else:
+            candidates = iter(())
+        for p, pt, d, dt in candidates:
+            xfer = prm.w_service * cm.transfer_s(p.instance_id, d.instance_id, req.prompt_tokens) * sigma
+            total = pt.total_s + dt.total_s + xfer
+            if best is None or total < best[0]:
+                best = (total, p, pt, d, _with_transfer(dt, xfer))
+
+        if prm.allow_colocated:
+            for d, dt in d_priced:
+                work = cm.for_instance(d.instance_id).prefill_s(req.prompt_tokens)
+                stall = prm.interference * work * d.queued
+                pt = CostTerms(own_work_s=prm.w_service * (work + stall) * sigma, slo_weight=sigma)
+                total = pt.total_s + dt.total_s
+                if best is None or total < best[0]:
+                    best = (total, d, pt, d, dt)
+
+        if best is None:
+            _feasible(prefill, req, "prefill")  # raises the precise reason
+            raise NoCapacity("no prefill candidate fits and colocated prefill is disabled")
+        _, p, pt, d, dt = best
+        return Decision(p.instance_id, d.instance_id, self.name, pt, dt)
+
+
+def _with_transfer(t: CostTerms, transfer_s: float) -> CostTerms:
+    return CostTerms(t.backlog_s, t.own_work_s, t.pressure, t.queue_s, transfer_s, t.slo_weight)

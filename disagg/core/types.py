@@ -1,0 +1,140 @@
+"""Hot-path records shared by the live router, the simulator and the policies.
+
+Everything here is pure data: frozen, slotted dataclasses and enums. A policy sees the world only
+through these types, which is what lets the simulator run the very same policy code as the router.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Role(enum.Enum):
+    """What an engine instance does in the disaggregated graph."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"  # colocated: prefills and decodes on one engine
+
+    def serves_prefill(self) -> bool:
+        return self is not Role.DECODE
+
+    def serves_decode(self) -> bool:
+        return self is not Role.PREFILL
+
+
+class SloClass(enum.Enum):
+    """Latency class of a request; strict classes are weighted up by the cost model's sigma."""
+
+    TIGHT = "tight"
+    LOOSE = "loose"
+
+    @classmethod
+    def parse(cls, value: str) -> "SloClass":
+        try:
+            return cls(value.strip().lower())
+        except ValueError:
+            allowed = ", ".join(c.value for c in cls)
+            raise ValueError(f"unknown SLO class {value!r}; allowed: {allowed}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """What the router knows of a request at admission time.
+
+    `true_output_tokens` is set only by the simulator; it exists so that the `oracle` policy can
+    bound what a perfect output-length predictor would gain. Live requests leave it None.
+    """
+
+    request_id: str
+    prompt_tokens: int
+    predicted_output_tokens: int
+    slo_class: SloClass = SloClass.LOOSE
+    true_output_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """What the router knows of one engine instance at decision time."""
+
+    instance_id: str
+    role: Role
+    backlog_s: float  # committed work, seconds (the router's in-flight ledger)
+    queued: int  # requests admitted to this instance and not finished
+    kv_used_tokens: int  # latest polled KV use plus what the ledger admitted since
+    kv_capacity_tokens: int
+
+    def pressure_after(self, extra_tokens: int) -> float:
+        """KV-cache pressure after admitting `extra_tokens` more (may exceed 1.0)."""
+        return (self.kv_used_tokens + extra_tokens) / self.kv_capacity_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class CostTerms:
+    """Per-term breakdown of one candidate's price, in seconds (weights already applied)."""
+
+    backlog_s: float = 0.0
+    own_work_s: float = 0.0
+    pressure: float = 0.0  # press+ (dimensionless), reported for explanation
+    queue_s: float = 0.0
+    transfer_s: float = 0.0
+    slo_weight: float = 1.0
+
+    @property
+    def total_s(self) -> float:
+        return self.backlog_s + self.own_work_s + self.queue_s + self.transfer_s
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "backlog_s": round(self.backlog_s, 6),
+            "own_work_s": round(self.own_work_s, 6),
+            "pressure": round(self.pressure, 4),
+            "queue_s": round(self.queue_s, 6),
+            "transfer_s": round(self.transfer_s, 6),
+            "slo_weight": self.slo_weight,
+            "total_s": round(self.total_s, 6),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A routing choice with its explanation.
+
+    `prefill_id == decode_id` means the request is prefilled on its decode instance (no KV
+    transfer). `prefill_cost`/`decode_cost` are the chosen candidates' price breakdowns; policies
+    that do not price (round robin, JSQ) leave them at zero cost.
+    """
+
+    prefill_id: str
+    decode_id: str
+    policy: str
+    prefill_cost: CostTerms = field(default_factory=CostTerms)
+    decode_cost: CostTerms = field(default_factory=CostTerms)
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill_id == self.decode_id
+
+    def header_value(self) -> str:
+        """The `x-disagg-route` header: who served the request and why."""
+        p, d = self.prefill_cost, self.decode_cost
+        return (
+            f"prefill={self.prefill_id}; decode={self.decode_id}; policy={self.policy}; "
+            f"p_backlog={p.backlog_s:.4f}; p_work={p.own_work_s:.4f}; p_press={p.pressure:.3f}; "
+            f"d_backlog={d.backlog_s:.4f}; d_work={d.own_work_s:.4f}; d_press={d.pressure:.3f}; "
+            f"d_queue={d.queue_s:.4f}; transfer={d.transfer_s:.4f}; sigma={d.slo_weight:g}"
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "prefill": self.prefill_id,
+            "decode": self.decode_id,
+            "policy": self.policy,
+            "prefill_cost": self.prefill_cost.as_dict(),
+            "decode_cost": self.decode_cost.as_dict(),
+        }
+
+
+class NoCapacity(Exception):
+    """No candidate can ever serve this request (empty pool, or prompt beyond every KV capacity)."""

@@ -1,0 +1,154 @@
+"""Run policies through the simulator on one trace, and find the saturation rate.
+
+Saturation rule (the paper drives each workload where round robin is mid-collapse):
+1. g_lo = round robin's goodput at a light rate (1/20 of the trace's own mean rate, floor
+   0.05 req/s); starting from the trace's own rate, double the rate until round robin's goodput is
+   at most 0.2 (or 2^12× the start): that rate gives g_hi;
+2. the saturation rate is where round robin's goodput equals (g_lo + g_hi) / 2, found by bisection
+   on log(rate) between the last two doubling points, 12 iterations;
+3. each probe simulates the first `probe_requests` requests of the trace rescaled to the probed
+   rate, with the same seed, so the rule is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import replace
+from typing import Callable, Sequence
+
+from disagg.core.cost_model import CostModel
+from disagg.core.policies import build_policy
+from disagg.core.predictor import BucketMeanPredictor, NoisyPredictor
+from disagg.sim.metrics import summarize
+from disagg.sim.simulator import SimResult, Simulator, Topology
+from disagg.sim.traces import TraceRequest, assign_slo_classes, rescale_to_rate
+
+
+def prepare_trace(trace: Sequence[TraceRequest], rate: float | None, tight_share: float, seed: int) -> list[TraceRequest]:
+    out = list(trace)
+    if rate is not None:
+        out = rescale_to_rate(out, rate)
+    return assign_slo_classes(out, tight_share, seed)
+
+
+def clamp_to_context(trace: Sequence[TraceRequest], max_len: int) -> tuple[list[TraceRequest], int]:
+    """Cap outputs so prompt + output fits the model context (vLLM would stop at max_model_len).
+
+    Returns the trace and how many requests were capped. Prompts that alone exceed the context
+    are kept: the router rejects them and they count as failures.
+    """
+    out, capped = [], 0
+    for r in trace:
+        room = max_len - r.prompt_tokens
+        if 1 <= room < r.output_tokens:
+            out.append(replace(r, output_tokens=room))
+            capped += 1
+        else:
+            out.append(r)
+    return out, capped
+
+
+def simulate(
+    trace: Sequence[TraceRequest],
+    cost_model: CostModel,
+    topology: Topology,
+    policy_name: str,
+    *,
+    policy_params: dict | None = None,
+    predictor_error: float = 0.0,
+    seed: int = 0,
+    poll_interval_s: float = 0.05,
+    router_cost_model: CostModel | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[dict, SimResult]:
+    """One policy through the simulator. `router_cost_model` lets the router believe other
+    constants than the engines really have (the miscalibration study)."""
+    policy = build_policy(policy_name, router_cost_model or cost_model, policy_params)
+    predictor = BucketMeanPredictor()
+    if predictor_error > 0:
+        predictor = NoisyPredictor(predictor, predictor_error, seed=seed)
+    sim = Simulator(cost_model, topology, policy, predictor, poll_interval_s=poll_interval_s)
+    trace, capped = clamp_to_context(trace, cost_model.engine.kv_capacity_tokens)
+    result = sim.run(trace, progress=progress)
+    summary = summarize(result.records, result.instance_tokens)
+    summary["decision_us_p50"] = _pct(result.decision_us, 50)
+    summary["decision_us_p99"] = _pct(result.decision_us, 99)
+    summary["preemptions"] = result.preemptions
+    summary["outputs_capped_to_context"] = capped
+    summary["sim_wall_s"] = result.sim_wall_s
+    summary["sim_requests_per_s"] = len(trace) / result.sim_wall_s if result.sim_wall_s > 0 else math.inf
+    return summary, result
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
+
+
+def rr_goodput(trace, cost_model, topology, rate, tight_share, seed) -> float:
+    t = prepare_trace(trace, rate, tight_share, seed)
+    summary, _ = simulate(t, cost_model, topology, "round_robin", seed=seed)
+    return summary["goodput"]
+
+
+def find_saturation(
+    trace: Sequence[TraceRequest],
+    cost_model: CostModel,
+    topology: Topology,
+    *,
+    tight_share: float,
+    seed: int,
+    probe_requests: int = 2000,
+    iterations: int = 12,
+) -> dict:
+    """The rate at which round robin's goodput is midway through its collapse (see module doc)."""
+    probe = list(trace[:probe_requests])
+    if len(probe) < 2:
+        raise ValueError("saturation search needs a trace of at least 2 requests")
+    span = probe[-1].arrival_s - probe[0].arrival_s
+    own_rate = (len(probe) - 1) / span if span > 0 else 1.0
+    g = lambda r: rr_goodput(probe, cost_model, topology, r, tight_share, seed)  # noqa: E731
+    r_lo = max(0.05, own_rate / 20)
+    g_lo = g(r_lo)
+    below, hi = r_lo, own_rate
+    g_hi = g(hi)
+    for _ in range(12):
+        if g_hi <= 0.2:
+            break
+        below, hi = hi, hi * 2
+        g_hi = g(hi)
+    target = (g_lo + g_hi) / 2
+    a, b = math.log(below), math.log(hi)
+    for _ in range(iterations):
+        mid = (a + b) / 2
+        if g(math.exp(mid)) > target:
+            a = mid
+        else:
+            b = mid
+    rate = math.exp((a + b) / 2)
+    return {"rate": rate, "goodput_light": g_lo, "goodput_overload": g_hi, "target_goodput": target,
+            "light_rate": r_lo, "overload_rate": hi}
+
+
+def compare(
+    trace: Sequence[TraceRequest],
+    cost_model: CostModel,
+    topology: Topology,
+    policies: Sequence[str],
+    *,
+    rate: float | None,
+    tight_share: float,
+    seed: int,
+    predictor_error: float = 0.0,
+    router_cost_model: CostModel | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, dict]:
+    t = prepare_trace(trace, rate, tight_share, seed)
+    out = {}
+    for name in policies:
+        summary, _ = simulate(t, cost_model, topology, name, predictor_error=predictor_error, seed=seed,
+                              router_cost_model=router_cost_model, progress=progress)
+        out[name] = summary
+    return out
