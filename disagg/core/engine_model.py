@@ -190,6 +190,8 @@ class EngineModel:
 
     def _blocks_over(self, k: int) -> int:
         """Blocks the decoding batch allocates over the next k decode steps."""
+        if k == 1:
+            return self._phase[-self.step % self.bs]
         n = len(self.decoding)
         full, rem = divmod(k, self.bs)
         total = full * n

@@ -6,10 +6,10 @@ The live router and the simulator keep one each and call it at the same moments:
 router's freshest knowledge; `views` merges it with the latest polled engine state.
 
 Backlog is the priced work (seconds) of requests admitted and not finished — the paper's
-"seconds of work already committed". KV is each request's eventual footprint (prompt plus
-predicted output). The KV seen by a policy is the larger of the polled use and the ledger's
-commitment: the poll is late (50 ms by default) and cannot see what was just admitted, the
-ledger cannot see memory held by anything else.
+"seconds of work already committed". KV use comes from the engines' polls (every 50 ms by
+default: stale, as in any real deployment); what the poll cannot see yet — the prompts admitted
+to an instance since its last poll — the ledger adds on top, so a burst of decisions between two
+polls does not all see the same empty instance.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ class _Entry:
     decode_id: str
     prefill_work_s: float
     decode_work_s: float
-    prefill_kv: int
-    decode_kv: int
     prefill_open: bool = True
 
 
@@ -34,7 +32,7 @@ class _Entry:
 class _Totals:
     backlog_s: float = 0.0
     queued: int = 0
-    kv_tokens: int = 0
+    kv_since_poll: int = 0  # prompt tokens admitted after the last poll
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,21 +67,19 @@ class Ledger:
         prefill_work_s: float,
         decode_work_s: float,
         prompt_tokens: int,
-        output_tokens: int,
     ) -> None:
         if request_id in self._entries:
             raise KeyError(f"request {request_id!r} is already in the ledger")
-        e = _Entry(prefill_id, decode_id, prefill_work_s, decode_work_s, prompt_tokens, prompt_tokens + output_tokens)
-        self._entries[request_id] = e
+        self._entries[request_id] = _Entry(prefill_id, decode_id, prefill_work_s, decode_work_s)
         p = self._t(prefill_id)
         p.backlog_s += prefill_work_s
         p.queued += 1
-        p.kv_tokens += e.prefill_kv
-        d = self._t(decode_id)
-        d.backlog_s += decode_work_s
-        d.kv_tokens += e.decode_kv
+        p.kv_since_poll += prompt_tokens
         if decode_id != prefill_id:
+            d = self._t(decode_id)
             d.queued += 1
+            d.kv_since_poll += prompt_tokens
+        self._t(decode_id).backlog_s += decode_work_s
 
     def prefill_done(self, request_id: str) -> None:
         """The prefill ended and its KV left the prefill instance (idempotent)."""
@@ -93,7 +89,6 @@ class Ledger:
         e.prefill_open = False
         p = self._t(e.prefill_id)
         p.backlog_s = max(0.0, p.backlog_s - e.prefill_work_s)
-        p.kv_tokens -= e.prefill_kv
         if e.prefill_id != e.decode_id:
             p.queued -= 1
 
@@ -105,7 +100,6 @@ class Ledger:
             return
         d = self._t(e.decode_id)
         d.backlog_s = max(0.0, d.backlog_s - e.decode_work_s)
-        d.kv_tokens -= e.decode_kv
         d.queued -= 1
 
     def forget_instance(self, instance_id: str) -> list[str]:
@@ -115,6 +109,12 @@ class Ledger:
             self.finish(r)
         self._totals.pop(instance_id, None)
         return lost
+
+    def polled(self, instance_id: str) -> None:
+        """A fresh poll of this instance arrived: it now sees everything admitted so far."""
+        t = self._totals.get(instance_id)
+        if t is not None:
+            t.kv_since_poll = 0
 
     def backlog_s(self, instance_id: str) -> float:
         t = self._totals.get(instance_id)
@@ -131,6 +131,6 @@ class Ledger:
             role=role,
             backlog_s=t.backlog_s,
             queued=t.queued,
-            kv_used_tokens=max(polled.kv_used_tokens, t.kv_tokens),
+            kv_used_tokens=polled.kv_used_tokens + t.kv_since_poll,
             kv_capacity_tokens=polled.kv_capacity_tokens,
         )

@@ -287,19 +287,35 @@ class MarginalCost(Policy):
     def choose(self, req, prefill, decode, now):
         sigma = self.params.sigma.get(req.slo_class, 1.0)
         out = self.output_tokens(req)
-        p_best, p_terms = _argmin(_feasible(prefill, req, "prefill"), lambda v: self.prefill_terms(v, req, sigma))
-        d_best, d_terms = _argmin(_feasible(decode, req, "decode"), lambda v: self.decode_terms(v, req, sigma, out))
-        return Decision(p_best.instance_id, d_best.instance_id, self.name, p_terms, d_terms)
+        p_best = self._argmin_prefill(_feasible(prefill, req, "prefill"), req, sigma)
+        d_best = self._argmin_decode(_feasible(decode, req, "decode"), req, sigma, out)
+        return Decision(p_best.instance_id, d_best.instance_id, self.name,
+                        self.prefill_terms(p_best, req, sigma), self.decode_terms(d_best, req, sigma, out))
 
+    # The hot loops price with plain floats (same formula as *_terms, which explain the winner):
+    # building a CostTerms per candidate would triple the decision cost.
+    def _argmin_prefill(self, pool, req, sigma):
+        prm, cm, p = self.params, self.cost_model, req.prompt_tokens
+        wb, ws, wq, rho = prm.w_backlog * sigma, prm.w_service * sigma, prm.w_queue_s, prm.rho
+        best, best_total = None, float("inf")
+        for v in pool:
+            press = (v.kv_used_tokens + p) / v.kv_capacity_tokens
+            total = wb * v.backlog_s + ws * cm.for_instance(v.instance_id).prefill_s(p) * (1.0 + rho * press) + wq * v.queued
+            if total < best_total:
+                best, best_total = v, total
+        return best
 
-def _argmin(pool, price):
-    best, best_terms, best_total = None, None, float("inf")
-    for v in pool:
-        terms = price(v)
-        total = terms.total_s
-        if total < best_total:
-            best, best_terms, best_total = v, terms, total
-    return best, best_terms
+    def _argmin_decode(self, pool, req, sigma, out):
+        prm, cm, extra = self.params, self.cost_model, req.prompt_tokens + out
+        wb, ws, wq, rho = prm.w_backlog * sigma, prm.w_service * sigma * out, prm.w_queue_s, prm.rho
+        best, best_total = None, float("inf")
+        for v in pool:
+            press = (v.kv_used_tokens + extra) / v.kv_capacity_tokens
+            tau = cm.for_instance(v.instance_id).decode_token_s(v.queued + 1)
+            total = wb * v.backlog_s + ws * tau * (1.0 + rho * press) + wq * v.queued
+            if total < best_total:
+                best, best_total = v, total
+        return best
 
 
 @register

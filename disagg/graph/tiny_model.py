@@ -12,7 +12,7 @@ model. This module builds one in about a second from nothing but local, determin
   one token, so "token-identical output" tests actually mean something.
 
 Sizes (`size=`):
-    tiny:  hidden 128, 2 layers, 4 heads, 2 KV heads (~0.5 M parameters, ~3 MB)
+    tiny:  hidden 128, 2 layers, 4 heads, 2 KV heads (~0.75 M parameters, ~1.5 MB)
     small: hidden 256, 4 layers, 4 heads, 2 KV heads (the "second, bigger model")
 
 Where it goes: `$DISAGG_CACHE_DIR/models/<size>-qwen2`. `DISAGG_CACHE_DIR` defaults to `<repo>/.cache`
@@ -41,7 +41,7 @@ MARKER = ".disagg-model-complete"
 """File written last into a finished model folder; its presence means "complete"."""
 
 # Bump when anything below changes the produced files: an old cached model is then rebuilt.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 3
 
 EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 
@@ -237,13 +237,13 @@ def _build_into(out: Path, size: str) -> None:
         eos_token_id=eos_id,
         pad_token_id=pad_id,
     )
-    # float32 weights: vLLM then runs the tiny model in fp32 on CPU, which keeps greedy decoding
-    # insensitive to batch composition (a random model has close logits; bf16 would flip ties).
-    config.dtype = torch.float32
+    # bfloat16 weights: what vLLM's CPU platform runs anyway (it casts a float32 checkpoint to
+    # bf16 and warns per tensor), and half the size. Initialised in fp32, then cast.
+    config.dtype = torch.bfloat16
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(SEED)
-        model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
     finally:
         torch.random.set_rng_state(state)
     model.generation_config = GenerationConfig(
@@ -251,6 +251,8 @@ def _build_into(out: Path, size: str) -> None:
     )
     model.save_pretrained(out, safe_serialization=True)
 
+    for f in out.iterdir():  # some writers create 0600 files; the model is shared read-only
+        f.chmod(0o644)
     (out / MARKER).write_text(json.dumps(
         {"recipe_version": RECIPE_VERSION, "size": size, **asdict(arch),
          "vocab_size": len(hf_tok), "eos_token_id": eos_id}, indent=2) + "\n")

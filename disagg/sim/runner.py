@@ -5,9 +5,10 @@ Saturation rule (the paper drives each workload where round robin is mid-collaps
    0.05 req/s); starting from the trace's own rate, double the rate until round robin's goodput is
    at most 0.2 (or 2^12× the start): that rate gives g_hi;
 2. the saturation rate is where round robin's goodput equals (g_lo + g_hi) / 2, found by bisection
-   on log(rate) between the last two doubling points, 12 iterations;
-3. each probe simulates the first `probe_requests` requests of the trace rescaled to the probed
-   rate, with the same seed, so the rule is deterministic.
+   on log(rate) between the last two doubling points, 10 iterations;
+3. each probe simulates the trace (its first `probe_requests` requests, by default all of it)
+   rescaled to the probed rate, with the same seed, so the rule is deterministic and the rate is
+   the collapse point of the very requests that are then run.
 """
 
 from __future__ import annotations
@@ -100,11 +101,11 @@ def find_saturation(
     *,
     tight_share: float,
     seed: int,
-    probe_requests: int = 2000,
-    iterations: int = 12,
+    probe_requests: int | None = None,
+    iterations: int = 10,
 ) -> dict:
     """The rate at which round robin's goodput is midway through its collapse (see module doc)."""
-    probe = list(trace[:probe_requests])
+    probe = list(trace[:probe_requests] if probe_requests else trace)
     if len(probe) < 2:
         raise ValueError("saturation search needs a trace of at least 2 requests")
     span = probe[-1].arrival_s - probe[0].arrival_s

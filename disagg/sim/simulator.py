@@ -6,7 +6,10 @@ calibrated constants. The router side is the same code the live router runs: the
 the `Ledger` (admit at routing, prefill_done when the KV has left the prefill instance, finish at
 the last token) and the output-length predictor (predict at admission, observe at finish).
 The router sees engine KV use through a poll every `poll_interval_s` (50 ms by default, as in the
-paper), so its view is as stale as a live router's.
+paper), so its view is as stale as a live router's. Polls are taken lazily but exactly: an
+engine's state only changes at its own events, so the state at the latest poll tick is the state
+just before the first event after that tick; the simulator snapshots it then (and on each
+decision), which gives the same views as polling every tick at a fraction of the cost.
 
 A request's life: arrival → policy → prefill-only job on the prefill instance → first token there →
 on the decode instance, admission (blocks for the prompt) → KV transfer (calibrated latency +
@@ -32,8 +35,8 @@ from disagg.core.types import InstanceView, NoCapacity, RequestFeatures, Role, S
 from disagg.sim.metrics import RequestRecord
 from disagg.sim.traces import TraceRequest
 
-# event priorities at equal times: finish work before admitting more, poll last
-_STEP, _TRANSFER, _ARRIVAL, _POLL = 0, 1, 2, 3
+# event priorities at equal times: finish work before admitting more
+_STEP, _TRANSFER, _ARRIVAL = 0, 1, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +124,7 @@ class Simulator:
         self.decode_ids = topology.decode_ids()
         self.ledger = Ledger()
         self._polled = {iid: self._poll_one(e) for iid, e in self.engines.items()}
+        self._tick_seen = dict.fromkeys(self.engines, 0)
         self._heap: list = []
         self._seq = 0
         self._step_epoch: dict[str, int] = {iid: 0 for iid in self.engines}
@@ -137,6 +141,14 @@ class Simulator:
         self._step_epoch[iid] += 1
         self._push(end, _STEP, ("step", iid, self._step_epoch[iid]))
 
+    def _refresh(self, iid: str, now: float) -> None:
+        """Take the poll of the latest tick if it has not been taken: call before touching an engine."""
+        tick = int(now / self.poll_interval_s)
+        if tick != self._tick_seen[iid]:
+            self._tick_seen[iid] = tick
+            self._polled[iid] = self._poll_one(self.engines[iid])
+            self.ledger.polled(iid)
+
     def _poke(self, iid: str, now: float) -> None:
         engine = self.engines[iid]
         self._schedule_step(iid, engine.poke(now))
@@ -149,7 +161,9 @@ class Simulator:
     def _poll_one(e: EngineModel) -> PolledState:
         return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens, e.running, e.num_waiting)
 
-    def _views(self, ids: Sequence[str]) -> list[InstanceView]:
+    def _views(self, ids: Sequence[str], now: float) -> list[InstanceView]:
+        for i in ids:
+            self._refresh(i, now)
         led, pol, roles = self.ledger, self._polled, self.roles
         return [led.view(i, roles[i], pol[i]) for i in ids]
 
@@ -163,9 +177,6 @@ class Simulator:
         instance_tokens = dict.fromkeys(self.engines, 0)
         for i, r in enumerate(trace):
             self._push(r.arrival_s, _ARRIVAL, ("arrive", i, r))
-        in_system = 0
-        pending_arrivals = len(trace)
-        poll_scheduled = False
         now = 0.0
         perf = time.perf_counter
         heap = self._heap
@@ -177,11 +188,13 @@ class Simulator:
                 if epoch != self._step_epoch[iid]:
                     continue
                 engine = self.engines[iid]
+                self._refresh(iid, now)
                 out = engine.end_step(now)
                 for job in out.prefilled:
                     f: _Flight = job.payload
                     dj = Job(f.rid, f.req.prompt_tokens, f.req.output_tokens, remote_kv=True, payload=f)
                     f.decode_job = dj
+                    self._refresh(f.decode_id, now)
                     self.engines[f.decode_id].submit(dj)
                     self._poke(f.decode_id, now)
                 for job in out.finished:
@@ -194,24 +207,24 @@ class Simulator:
                     else:
                         instance_tokens[f.decode_id] += f.req.prompt_tokens
                     records.append(self._record(f, job, now))
-                    in_system -= 1
                     if progress:
                         progress(1)
                 self._poke(iid, now)
             elif kind == "kv":
                 f = ev[1]
+                self._refresh(f.prefill_id, now)
+                self._refresh(f.decode_id, now)
                 self.engines[f.prefill_id].release(f.prefill_job)
                 self.ledger.prefill_done(f.rid)
                 self.engines[f.decode_id].kv_arrived(f.decode_job)
                 self._poke(f.decode_id, now)
                 self._poke(f.prefill_id, now)
-            elif kind == "arrive":
+            else:  # arrival
                 _, i, r = ev
-                pending_arrivals -= 1
                 slo = r.slo_class or default_slo
                 predicted = self.predictor.predict(r.prompt_tokens, slo)
                 feats = RequestFeatures(f"r{i}", r.prompt_tokens, predicted, slo, r.output_tokens)
-                pv, dv = self._views(self.prefill_ids), self._views(self.decode_ids)
+                pv, dv = self._views(self.prefill_ids, now), self._views(self.decode_ids, now)
                 try:
                     if self.record_decision_time:
                         t0 = perf()
@@ -226,17 +239,6 @@ class Simulator:
                     continue
                 f = _Flight(r, f"r{i}", slo, predicted, d.prefill_id, d.decode_id)
                 self._admit(f, now)
-                in_system += 1
-                if not poll_scheduled:
-                    poll_scheduled = True
-                    self._push(now + self.poll_interval_s, _POLL, ("poll",))
-            else:  # poll
-                for iid, e in self.engines.items():
-                    self._polled[iid] = self._poll_one(e)
-                if in_system or pending_arrivals:
-                    self._push(now + self.poll_interval_s, _POLL, ("poll",))
-                else:
-                    poll_scheduled = False
         return SimResult(
             records=records,
             decision_us=decision_us,
@@ -252,7 +254,7 @@ class Simulator:
         dc = self.cm.for_instance(f.decode_id)
         prefill_work = pc.prefill_s(r.prompt_tokens)
         decode_work = f.predicted * dc.decode_token_s(self.ledger.queued(f.decode_id) + 1)
-        self.ledger.admit(f.rid, f.prefill_id, f.decode_id, prefill_work, decode_work, r.prompt_tokens, f.predicted)
+        self.ledger.admit(f.rid, f.prefill_id, f.decode_id, prefill_work, decode_work, r.prompt_tokens)
         if f.prefill_id == f.decode_id:
             job = Job(f.rid, r.prompt_tokens, r.output_tokens, payload=f)
             f.decode_job = job

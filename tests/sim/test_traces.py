@@ -22,8 +22,7 @@ from disagg.sim.traces import (
     write_native,
 )
 
-TRACE_DIR = Path(os.environ.get("DISAGG_TRACE_DIR")
-                 or Path(__file__).resolve().parents[2].parent / "shared" / "traces")
+TRACE_DIR = Path(os.environ.get("DISAGG_TRACE_DIR") or Path(__file__).resolve().parents[2] / "data" / "traces")
 needs_real_traces = pytest.mark.skipif(
     not TRACE_DIR.is_dir(),
     reason=f"real trace dir {TRACE_DIR} absent (set DISAGG_TRACE_DIR to run these)")
@@ -38,7 +37,7 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------
-# Real files: numbers from /work/shared/traces/README.md. `wc -l` reports 19366 / 8819 because the
+# Real files: numbers published with the traces. `wc -l` reports 19366 / 8819 because the
 # files have no final newline: one header line + 19366 / 8819 data rows.
 
 REAL = [

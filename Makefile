@@ -1,0 +1,47 @@
+# Two commands do everything on a fresh machine:
+#   make run   — install the CPU serving stack, build the tiny model, start Ray on loopback and
+#                serve the CPU profile (1 prefill + 2 decode vLLM engines, KV over NIXL)
+#   make test  — install the same stack and run the whole test suite against it
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.disagg-installed
+export DISAGG_TRACE_DIR ?= $(abspath data/traces)
+export RAY_USAGE_STATS_ENABLED := 0
+export RAY_AUTH_MODE := disabled
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+
+.PHONY: run test install unit sim lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch's CPU build first: a plain resolve would pull a several-GB CUDA build
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[cpu,test,bench]"
+	# the `nixl` meta package wants both CUDA flavours: take only its Python layer
+	$(PIP) install -q --no-deps "nixl==1.5.1"
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break transformers' imports
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(PY) -m disagg.graph.launch --config deployments/local.yaml
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=1800 tests
+
+# the pure core and simulator only (no serving stack needed)
+unit:
+	$(PYTHON) -m pytest -q -m "not stack" tests
+
+sim:
+	$(PY) -m disagg.cli sim --trace azure_conv_2023 --saturation \
+		--policies round_robin,least_loaded,length_heuristic,marginal_cost,oracle,pair_cost
+
+clean:
+	rm -rf $(VENV) .cache build *.egg-info

@@ -1,0 +1,267 @@
+"""The `disagg` command line: simulate, run studies, fetch traces, build the tiny model.
+
+Every subcommand validates all of its input before it does any work, and writes its output files
+atomically: a bad flag or a bad trace row gives one clear message (file, line, field) and exit
+status 2, never a traceback and never half a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from disagg.core.cost_model import CostModelError, load_profile
+from disagg.core.policies import PolicyError, known_policies, policy_class
+from disagg.sim.simulator import Topology
+from disagg.sim.traces import TraceError, read_trace, trace_stats
+
+DEFAULT_POLICIES = "round_robin,least_loaded,length_heuristic,marginal_cost,oracle"
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+def data_dir() -> Path:
+    """Where real traces live: $DISAGG_TRACE_DIR, else ./data/traces."""
+    return Path(os.environ.get("DISAGG_TRACE_DIR", "data/traces"))
+
+
+def resolve_trace(name_or_path: str) -> Path:
+    """A path, or a bare trace name looked up in the data directory (`azure_conv_2023`)."""
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    for candidate in (data_dir() / name_or_path, data_dir() / f"{name_or_path}.csv"):
+        if candidate.exists():
+            return candidate
+    raise UsageError(
+        f"trace {name_or_path!r} not found (looked in {data_dir()}; set DISAGG_TRACE_DIR, "
+        "or fetch the public traces with `disagg traces download`)"
+    )
+
+
+def parse_policies(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise UsageError("--policies is empty")
+    for n in names:
+        try:
+            policy_class(n)
+        except PolicyError as e:
+            raise UsageError(str(e)) from None
+    return names
+
+
+def write_json_atomic(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, default=_json_default)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _json_default(x):
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def _clean(obj):
+    """NaN is not JSON: write null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+class Progress:
+    """A one-line progress bar on stderr, only when stderr is a terminal."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.done = max(1, total), label, 0
+        self.enabled = sys.stderr.isatty()
+        self._shown = -1
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        pct = int(100 * self.done / self.total)
+        if self.enabled and pct != self._shown:
+            self._shown = pct
+            bar = "#" * (pct // 4)
+            sys.stderr.write(f"\r{self.label:<20} [{bar:<25}] {pct:3d}%")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def fmt_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """rows of dicts → an aligned text table; columns are (key, header, format)."""
+    head = [h for _, h, _ in columns]
+    body = []
+    for r in rows:
+        line = []
+        for key, _, fmt in columns:
+            v = r.get(key)
+            line.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt))
+        body.append(line)
+    widths = [max(len(head[i]), *(len(b[i]) for b in body)) if body else len(head[i]) for i in range(len(head))]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    out += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
+    return "\n".join(out)
+
+
+SIM_COLUMNS = [
+    ("policy", "policy", "s"),
+    ("goodput", "goodput", ".3f"),
+    ("ttft_p50_s", "TTFT p50 s", ".3f"),
+    ("ttft_p99_s", "TTFT p99 s", ".3f"),
+    ("tpot_p50_s", "TPOT p50 s", ".4f"),
+    ("tpot_p99_s", "TPOT p99 s", ".4f"),
+    ("failed", "failed", "d"),
+    ("decision_us_p50", "decide µs p50", ".1f"),
+]
+
+
+# --- subcommands -----------------------------------------------------------------------------
+
+
+def cmd_sim(args) -> int:
+    from disagg.sim.runner import compare, find_saturation
+
+    policies = parse_policies(args.policies)
+    try:
+        topology = Topology.parse(args.topology)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    cost_model = load_profile(args.cost_model)
+    trace = read_trace(resolve_trace(args.trace), args.format)
+    if args.max_requests:
+        trace = trace[: args.max_requests]
+    if args.rate is not None and args.rate <= 0:
+        raise UsageError(f"--rate must be > 0, got {args.rate}")
+    saturation = None
+    rate = args.rate
+    if args.saturation:
+        saturation = find_saturation(trace, cost_model, topology, tight_share=args.tight_share, seed=args.seed)
+        rate = saturation["rate"]
+        print(f"saturation rate (round robin mid-collapse): {rate:.2f} req/s", file=sys.stderr)
+    bar = Progress(len(trace) * len(policies), "simulating")
+    results = compare(trace, cost_model, topology, policies, rate=rate, tight_share=args.tight_share,
+                      seed=args.seed, predictor_error=args.predictor_error, progress=bar)
+    effective_rate = rate if rate is not None else trace_stats(trace)["mean_rate"]
+    rows = [{"policy": n, **s} for n, s in results.items()]
+    print(f"trace={args.trace} requests={len(trace)} topology={topology} rate={effective_rate:.2f} req/s "
+          f"cost_model={cost_model.name} seed={args.seed}")
+    print(fmt_table(rows, SIM_COLUMNS))
+    if args.json:
+        total_req = sum(s["requests"] for s in results.values())
+        total_wall = sum(s["sim_wall_s"] for s in results.values())
+        write_json_atomic(Path(args.json), _clean({
+            "trace": str(args.trace), "topology": str(topology), "cost_model": cost_model.name,
+            "seed": args.seed, "rate": effective_rate, "saturation": saturation,
+            "policies": results, "sim_requests_per_s": total_req / total_wall if total_wall else None,
+        }))
+    return 0
+
+
+def cmd_traces_download(args) -> int:
+    from disagg.sim.download import download_traces
+
+    for path in download_traces(Path(args.dest), args.name):
+        print(path)
+    return 0
+
+
+def cmd_traces_stats(args) -> int:
+    trace = read_trace(resolve_trace(args.trace), args.format)
+    print(json.dumps(_clean(trace_stats(trace)), indent=2))
+    return 0
+
+
+def cmd_study(args) -> int:
+    from disagg.sim import studies
+
+    return studies.main(args)
+
+
+def cmd_tiny_model(args) -> int:
+    from disagg.graph.tiny_model import build_tiny_model
+
+    print(build_tiny_model(Path(args.dest) if args.dest else None, size=args.size))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="disagg", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    sim = sub.add_parser("sim", help="compare routing policies in the discrete-event simulator")
+    sim.add_argument("--trace", required=True, help="trace file, or a name in $DISAGG_TRACE_DIR")
+    sim.add_argument("--format", default="auto", help="azure|mooncake|burstgpt|native|auto (default)")
+    sim.add_argument("--topology", default="2P4D", help="e.g. 2P4D: 2 prefill and 4 decode instances")
+    sim.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated; known: {','.join(known_policies())}")
+    rate = sim.add_mutually_exclusive_group()
+    rate.add_argument("--rate", type=float, help="rescale the trace to this mean arrival rate (req/s)")
+    rate.add_argument("--saturation", action="store_true", help="run at the rate where round robin is mid-collapse")
+    sim.add_argument("--cost-model", default="a40", help="shipped profile name (a40, cpu-tiny) or a YAML file")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--tight-share", type=float, default=0.5, help="share of requests in the tight SLO class")
+    sim.add_argument("--predictor-error", type=float, default=0.0, help="relative output-length error (1.5 = 150%%)")
+    sim.add_argument("--max-requests", type=int, default=0, help="use only the first N requests (0 = all)")
+    sim.add_argument("--json", help="write the results here (atomically)")
+    sim.set_defaults(func=cmd_sim)
+
+    tr = sub.add_parser("traces", help="fetch or inspect request traces")
+    trs = tr.add_subparsers(dest="traces_command", required=True)
+    dl = trs.add_parser("download", help="download the public Azure LLM traces")
+    dl.add_argument("--dest", default=str(data_dir()))
+    dl.add_argument("--name", action="append", help="azure_conv_2023, azure_code_2023 (default both)")
+    dl.set_defaults(func=cmd_traces_download)
+    st = trs.add_parser("stats", help="summary statistics of a trace")
+    st.add_argument("trace")
+    st.add_argument("--format", default="auto")
+    st.set_defaults(func=cmd_traces_stats)
+
+    study = sub.add_parser("study", help="the simulator studies (pool width, predictor noise, miscalibration, sizing)")
+    from disagg.sim.studies import add_arguments
+
+    add_arguments(study)
+    study.set_defaults(func=cmd_study)
+
+    tm = sub.add_parser("tiny-model", help="build the offline tiny model (idempotent)")
+    tm.add_argument("--dest")
+    tm.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    tm.set_defaults(func=cmd_tiny_model)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (UsageError, TraceError, CostModelError, PolicyError) as e:
+        print(f"disagg: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("disagg: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

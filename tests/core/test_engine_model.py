@@ -1,0 +1,138 @@
+"""The engine model on its own: step times, chunking, KV accounting, preemption."""
+
+import pytest
+
+from disagg.core.cost_model import EngineConstants
+from disagg.core.engine_model import EngineModel, Job, JobState
+
+
+def consts(**kw) -> EngineConstants:
+    base = dict(step_base_s=0.01, prefill_token_s=0.001, decode_seq_s=0.002, kv_capacity_tokens=1024,
+                block_size=16, max_num_seqs=8, max_batched_tokens=64)
+    base.update(kw)
+    return EngineConstants(**base)
+
+
+def run_until_idle(engine: EngineModel, now: float = 0.0, limit: int = 100_000):
+    """Drive one engine alone: returns every finished/prefilled job with the final time."""
+    finished, prefilled = [], []
+    end = engine.poke(now)
+    for _ in range(limit):
+        if end is None:
+            return finished, prefilled, now
+        now = end
+        out = engine.end_step(now)
+        finished += out.finished
+        prefilled += out.prefilled
+        end = engine.poke(now)
+        for job in engine.take_transfers():  # transfers complete instantly here
+            engine.kv_arrived(job)
+            end = engine.poke(now) if end is None else end
+    raise AssertionError("engine did not go idle")
+
+
+def test_lone_prefill_only_job_takes_chunked_prefill_time():
+    c = consts()
+    e = EngineModel("p", c)
+    job = Job("a", prompt=100, target=5, prefill_only=True)
+    e.submit(job)
+    _, prefilled, t = run_until_idle(e)
+    # 100 tokens with a 64-token budget: chunks of 64 and 36, each step pays the base.
+    assert prefilled == [job]
+    assert t == pytest.approx(2 * 0.01 + 100 * 0.001)
+    assert t == pytest.approx(c.prefill_s(100))
+    assert job.t_first == pytest.approx(t)
+    assert job.state is JobState.HOLDING
+    assert e.kv_used_tokens == 112  # 7 blocks of 16 held until the transfer out
+    e.release(job)
+    assert e.kv_used_tokens == 0
+
+
+def test_lone_colocated_job_decodes_at_batch_one_step_time():
+    c = consts()
+    e = EngineModel("d", c)
+    job = Job("a", prompt=40, target=10)
+    e.submit(job)
+    finished, _, t = run_until_idle(e)
+    assert finished == [job]
+    prefill = 0.01 + 40 * 0.001
+    assert job.t_first == pytest.approx(prefill)
+    assert job.t_last == pytest.approx(prefill + 9 * (0.01 + 0.002))
+    assert e.free_blocks == e.total_blocks
+
+
+def test_remote_kv_job_first_token_after_one_decode_step():
+    e = EngineModel("d", consts())
+    job = Job("a", prompt=40, target=3, remote_kv=True)
+    e.submit(job)
+    assert e.poke(0.0) is None  # admission only starts the transfer
+    assert e.take_transfers() == [job]
+    assert e.kv_used_tokens == 48  # blocks for the whole prompt, held during the transfer
+    e.kv_arrived(job)
+    end = e.poke(0.5)
+    assert end == pytest.approx(0.5 + 3 * 0.012)  # one macro step of 3 decode steps
+    out = e.end_step(end)
+    assert out.finished == [job]
+    assert job.t_first == pytest.approx(0.512)
+    assert job.t_last == pytest.approx(0.536)
+
+
+def test_batch_of_equal_jobs_finishes_together_and_frees_every_block():
+    e = EngineModel("d", consts(max_batched_tokens=512))
+    jobs = [Job(i, prompt=30, target=20) for i in range(4)]
+    for j in jobs:
+        e.submit(j)
+    finished, _, t = run_until_idle(e)
+    assert sorted(j.rid for j in finished) == [0, 1, 2, 3]
+    # one prefill step for all 120 prompt tokens, then 19 decode steps at batch 4
+    assert t == pytest.approx(0.01 + 120 * 0.001 + 19 * (0.01 + 4 * 0.002))
+    assert e.free_blocks == e.total_blocks
+
+
+def test_max_num_seqs_caps_the_batch():
+    e = EngineModel("d", consts(max_num_seqs=2, max_batched_tokens=512))
+    for i in range(3):
+        e.submit(Job(i, prompt=10, target=5))
+    e.poke(0.0)
+    assert e.running == 2 and len(e.waiting) == 1
+
+
+def test_arrival_cuts_a_macro_step_at_the_step_in_flight():
+    e = EngineModel("d", consts())
+    e.submit(Job("long", prompt=10, target=100))
+    end = e.poke(0.0)
+    e.end_step(end)  # prefill done at 0.02
+    end = e.poke(end)
+    assert end == pytest.approx(0.02 + 99 * 0.012)  # the whole decode as one macro step
+    e.submit(Job("late", prompt=10, target=2))
+    cut = e.poke(0.05)
+    # 0.05 is inside the 3rd decode step (0.044..0.056): the step in flight completes first
+    assert cut == pytest.approx(0.02 + 3 * 0.012)
+
+
+def test_kv_exhaustion_preempts_newest_and_everything_still_completes():
+    # 8 blocks of 16 tokens: 4 sequences growing to 60 tokens each cannot all stay resident.
+    e = EngineModel("d", consts(kv_capacity_tokens=128, max_batched_tokens=512))
+    jobs = [Job(i, prompt=20, target=40) for i in range(4)]
+    for j in jobs:
+        e.submit(j)
+    free_seen = []
+    end = e.poke(0.0)
+    now = 0.0
+    for _ in range(10_000):
+        if end is None:
+            break
+        now = end
+        e.end_step(now)
+        free_seen.append(e.free_blocks)
+        end = e.poke(now)
+    assert all(j.state is JobState.DONE for j in jobs)
+    assert e.preemptions > 0
+    assert min(free_seen) >= 0
+    assert e.free_blocks == e.total_blocks
+
+
+def test_can_ever_fit():
+    e = EngineModel("d", consts(kv_capacity_tokens=64))
+    assert e.can_ever_fit(63)
+    assert not e.can_ever_fit(64)

@@ -1,0 +1,114 @@
+"""Small, real test inputs for the routing core: hand-built instance views, requests, a cost model.
+
+Numbers are chosen so costs can be computed by hand in a test:
+
+    step_base_s = 0.01, prefill_token_s = 0.001, decode_seq_s = 0.001,
+    kv_capacity_tokens = 10_000, max_batched_tokens = 256,
+    transfer: latency 0.002 s, 100_000 tokens/s.
+
+so a lone 100-token prefill takes 0.01 + 0.1 = 0.11 s and one decode token at concurrency b takes
+0.01 + 0.001·b s.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from disagg.core.cost_model import CostModel
+from disagg.core.types import InstanceView, RequestFeatures, Role, SloClass
+
+STEP_BASE_S = 0.01
+PREFILL_TOKEN_S = 0.001
+DECODE_SEQ_S = 0.001
+KV_CAPACITY = 10_000
+MAX_BATCHED_TOKENS = 256
+TRANSFER_LATENCY_S = 0.002
+TRANSFER_TOKENS_PER_S = 100_000.0
+
+_ID_PREFIX = {Role.PREFILL: "p", Role.DECODE: "d", Role.BOTH: "b"}
+
+
+def engine_dict(**overrides: Any) -> dict:
+    d = {
+        "step_base_s": STEP_BASE_S,
+        "prefill_token_s": PREFILL_TOKEN_S,
+        "decode_seq_s": DECODE_SEQ_S,
+        "kv_capacity_tokens": KV_CAPACITY,
+        "block_size": 16,
+        "max_num_seqs": 64,
+        "max_batched_tokens": MAX_BATCHED_TOKENS,
+    }
+    d.update(overrides)
+    return d
+
+
+def cost_model_dict(**overrides: Any) -> dict:
+    """A valid cost-model mapping (as it would come out of YAML); top-level keys overridable."""
+    d = {
+        "name": "test-small",
+        "model": "none",
+        "engine": engine_dict(),
+        "transfer": {"latency_s": TRANSFER_LATENCY_S, "tokens_per_s": TRANSFER_TOKENS_PER_S},
+        "slo": {"tight": {"ttft_s": 0.2, "tpot_s": 0.05}, "loose": {"ttft_s": 0.6, "tpot_s": 0.15}},
+    }
+    d.update(overrides)
+    return d
+
+
+def make_cost_model(**overrides: Any) -> CostModel:
+    return CostModel.from_dict(cost_model_dict(**overrides))
+
+
+def make_instances(
+    role: Role = Role.DECODE,
+    *,
+    backlog_s: Sequence[float] | None = None,
+    queued: Sequence[int] | None = None,
+    kv_used: Sequence[int] | None = None,
+    capacity: int | Sequence[int] = KV_CAPACITY,
+    n: int | None = None,
+    prefix: str | None = None,
+) -> list[InstanceView]:
+    """One InstanceView per position; the given per-instance lists must agree in length.
+
+    Ids are `<prefix><index>` with prefix p/d/b by role, so `make_instances(Role.DECODE,
+    backlog_s=[0.2, 0.0, 1.5])` gives d0, d1, d2. Unspecified fields are idle (0).
+    """
+    lists = {k: v for k, v in {"backlog_s": backlog_s, "queued": queued, "kv_used": kv_used}.items() if v is not None}
+    if not isinstance(capacity, int):
+        lists["capacity"] = capacity
+    lengths = {len(v) for v in lists.values()}
+    if n is not None:
+        lengths.add(n)
+    if len(lengths) > 1:
+        raise ValueError(f"make_instances: lists disagree in length: { {k: len(v) for k, v in lists.items()} }, n={n}")
+    size = lengths.pop() if lengths else 3
+    pre = prefix if prefix is not None else _ID_PREFIX[role]
+    caps = list(capacity) if not isinstance(capacity, int) else [capacity] * size
+    return [
+        InstanceView(
+            instance_id=f"{pre}{i}",
+            role=role,
+            backlog_s=float(backlog_s[i]) if backlog_s is not None else 0.0,
+            queued=int(queued[i]) if queued is not None else 0,
+            kv_used_tokens=int(kv_used[i]) if kv_used is not None else 0,
+            kv_capacity_tokens=int(caps[i]),
+        )
+        for i in range(size)
+    ]
+
+
+def make_request(
+    prompt_tokens: int = 100,
+    predicted_output_tokens: int = 50,
+    slo_class: SloClass = SloClass.LOOSE,
+    true_output_tokens: int | None = None,
+    request_id: str = "r0",
+) -> RequestFeatures:
+    return RequestFeatures(
+        request_id=request_id,
+        prompt_tokens=prompt_tokens,
+        predicted_output_tokens=predicted_output_tokens,
+        slo_class=slo_class,
+        true_output_tokens=true_output_tokens,
+    )
