@@ -103,8 +103,10 @@ class Ledger:
         d.queued -= 1
 
     def forget_instance(self, instance_id: str) -> list[str]:
-        """An instance went away: drop its totals and return the requests that were on it."""
-        lost = [r for r, e in self._entries.items() if instance_id in (e.prefill_id, e.decode_id)]
+        """An instance went away: drop its totals and return the requests that depended on it
+        (those decoding there, and those whose prefill there had not finished)."""
+        lost = [r for r, e in self._entries.items()
+                if e.decode_id == instance_id or (e.prefill_id == instance_id and e.prefill_open)]
         for r in lost:
             self.finish(r)
         self._totals.pop(instance_id, None)

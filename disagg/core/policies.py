@@ -21,7 +21,7 @@ and a YAML example.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Sequence
+from typing import Annotated, Any, ClassVar, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -227,7 +227,7 @@ class MarginalCostParams(Params):
     w_service: float = Field(default=1.0, ge=0.0, description="w_s: weight of the request's own work")
     w_queue_s: float = Field(default=0.002, ge=0.0, description="w_q: seconds charged per queued request")
     rho: float = Field(default=1.0, ge=0.0, description="ρ: how much post-admission KV pressure slows work")
-    sigma: dict[SloClass, float] = Field(
+    sigma: dict[SloClass, Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(
         default_factory=lambda: {SloClass.TIGHT: 2.0, SloClass.LOOSE: 1.0},
         description="σ(class): amplification of strict SLO classes",
     )
