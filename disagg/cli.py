@@ -199,6 +199,20 @@ def cmd_study(args) -> int:
     return studies.main(args)
 
 
+def cmd_check_config(args) -> int:
+    from disagg.graph.config import ConfigError, load_serve_config
+
+    try:
+        apps = load_serve_config(args.config)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    for name, cfg in apps:
+        print(f"{args.config}: application {name!r} ok: {cfg.prefill.num_replicas} prefill + "
+              f"{cfg.decode.num_replicas} decode on {cfg.engine.device}, model {cfg.model.source}, "
+              f"policy {cfg.router.policy}, cost model {cfg.router.cost_model}")
+    return 0
+
+
 def cmd_tiny_model(args) -> int:
     from disagg.graph.tiny_model import build_tiny_model
 
@@ -242,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(study)
     study.set_defaults(func=cmd_study)
+
+    cc = sub.add_parser("check-config", help="validate a Serve config file of this app (file:line: field errors)")
+    cc.add_argument("config")
+    cc.set_defaults(func=cmd_check_config)
 
     tm = sub.add_parser("tiny-model", help="build the offline tiny model (idempotent)")
     tm.add_argument("--dest")

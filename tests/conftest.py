@@ -1,4 +1,21 @@
+import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    """The CPU profile (deployments/local.yaml) running for real: Ray on loopback, the router,
+    1 prefill + 2 decode vLLM engines with NIXL. Started once per test session, stopped at the end."""
+    from disagg.graph.launch import LocalStack
+
+    run_dir = tmp_path_factory.mktemp("stack")
+    os.environ["DISAGG_RUN_DIR"] = str(run_dir)  # where the router writes its request log
+    with LocalStack(ROOT / "deployments" / "local.yaml", log=lambda m: print(f"[stack] {m}", flush=True)) as s:
+        s.run_dir = run_dir
+        yield s

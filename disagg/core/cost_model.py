@@ -30,6 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from disagg.core.types import SloClass
+from disagg.core.yaml_errors import explain, yaml_root
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 
@@ -138,11 +139,11 @@ class CostModel(_Strict):
     # --- YAML edge -------------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: dict, source: str = "<dict>") -> "CostModel":
+    def from_dict(cls, data: dict, path: Path | None = None) -> "CostModel":
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            raise CostModelError(_explain(e, source)) from None
+            raise CostModelError(explain(e, path, yaml_root(path) if path else None)) from None
 
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":
@@ -157,7 +158,7 @@ class CostModel(_Strict):
             raise CostModelError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
         if not isinstance(data, dict):
             raise CostModelError(f"{path}: a cost model is a YAML mapping, got {type(data).__name__}")
-        return cls.from_dict(data, source=_locator(path))
+        return cls.from_dict(data, path)
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
@@ -190,39 +191,3 @@ def load_profile(name_or_path: str | Path) -> CostModel:
         return CostModel.load(path)
     known = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
     raise CostModelError(f"no cost-model profile or file {str(name_or_path)!r}; shipped profiles: {known}")
-
-
-def _locator(path: Path):
-    """Map a pydantic error location to 'file:line' by finding the key's line in the YAML."""
-    try:
-        root = yaml.compose(path.read_text())
-    except yaml.YAMLError:
-        root = None
-    return (path, root)
-
-
-def _explain(err: ValidationError, source) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
-        where = source
-        if isinstance(source, tuple):
-            path, root = source
-            where = f"{path}:{_line_of(root, e['loc'])}"
-        lines.append(f"{where}: field '{loc}': {e['msg']} (got {e.get('input')!r})")
-    return "\n".join(lines)
-
-
-def _line_of(node, loc) -> int:
-    """1-based line of the deepest YAML node along `loc` (the parent's, for a missing key)."""
-    line = node.start_mark.line + 1 if node is not None else 1
-    for key in loc:
-        if not isinstance(node, yaml.MappingNode):
-            break
-        for k, v in node.value:
-            if k.value == str(key):
-                node, line = v, k.start_mark.line + 1
-                break
-        else:
-            break
-    return line

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagg.core.cost_model import CostModel
 from disagg.core.types import InstanceView, Role
 
 
@@ -136,3 +137,13 @@ class Ledger:
             kv_used_tokens=polled.kv_used_tokens + t.kv_since_poll,
             kv_capacity_tokens=polled.kv_capacity_tokens,
         )
+
+
+def admission_work(cm: CostModel, prefill_id: str, decode_id: str, prompt_tokens: int,
+                   predicted_output_tokens: int, decode_queued: int) -> tuple[float, float]:
+    """The seconds of work a routed request commits to its prefill and decode instances:
+    the calibrated prefill time of its prompt, and ô decode tokens at the decode instance's
+    concurrency once it has joined. The live router and the simulator both price with this."""
+    prefill_s = cm.for_instance(prefill_id).prefill_s(prompt_tokens)
+    decode_s = predicted_output_tokens * cm.for_instance(decode_id).decode_token_s(decode_queued + 1)
+    return prefill_s, decode_s

@@ -46,6 +46,11 @@ class Policy:
     Params: ClassVar[type[Params]] = Params
     simulator_only: ClassVar[bool] = False
 
+    @property
+    def may_colocate(self) -> bool:
+        """May this policy prefill on the decode instance (`prefill_id == decode_id`)?"""
+        return False
+
     def __init__(self, cost_model: CostModel, params: Params | None = None) -> None:
         self.cost_model = cost_model
         self.params = params if params is not None else self.Params()
@@ -176,6 +181,32 @@ class LeastLoaded(Policy):
         p = min(self._p.rotated(_feasible(prefill, req, "prefill")), key=_queued)
         d = min(self._d.rotated(_feasible(decode, req, "decode")), key=_queued)
         return Decision(p.instance_id, d.instance_id, self.name)
+
+
+@register
+class Colocated(Policy):
+    """`colocated`: no disaggregation — prefill and decode on the same decode-pool instance, the one
+    with the fewest in-flight requests (ties in round-robin order). The baseline that tells whether
+    disaggregation pays on a workload, and the reference for greedy-equivalence checks.
+
+    ```yaml
+    policy: {name: colocated}
+    ```
+    """
+
+    name = "colocated"
+
+    @property
+    def may_colocate(self) -> bool:
+        return True
+
+    def __init__(self, cost_model: CostModel, params: Params | None = None) -> None:
+        super().__init__(cost_model, params)
+        self._d = _Cursor()
+
+    def choose(self, req, prefill, decode, now):
+        d = min(self._d.rotated(_feasible(decode, req, "decode")), key=_queued)
+        return Decision(d.instance_id, d.instance_id, self.name)
 
 
 def _queued(v: InstanceView) -> int:
@@ -367,6 +398,10 @@ class PairCost(MarginalCost):
 
     name = "pair_cost"
     Params = PairCostParams
+
+    @property
+    def may_colocate(self) -> bool:
+        return self.params.allow_colocated
 
     def choose(self, req, prefill, decode, now):
         prm = self.params

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 from disagg.core.cost_model import CostModel
 from disagg.core.engine_model import EngineModel, Job
-from disagg.core.ledger import Ledger, PolledState
+from disagg.core.ledger import Ledger, PolledState, admission_work
 from disagg.core.policies import Policy
 from disagg.core.predictor import BucketMeanPredictor, OutputLengthPredictor
 from disagg.core.types import InstanceView, NoCapacity, RequestFeatures, Role, SloClass
@@ -250,10 +250,9 @@ class Simulator:
 
     def _admit(self, f: _Flight, now: float) -> None:
         r = f.req
-        pc = self.cm.for_instance(f.prefill_id)
-        dc = self.cm.for_instance(f.decode_id)
-        prefill_work = pc.prefill_s(r.prompt_tokens)
-        decode_work = f.predicted * dc.decode_token_s(self.ledger.queued(f.decode_id) + 1)
+        # priced with the router's constants (which the miscalibration study makes wrong)
+        prefill_work, decode_work = admission_work(self.policy.cost_model, f.prefill_id, f.decode_id, r.prompt_tokens,
+                                                   f.predicted, self.ledger.queued(f.decode_id))
         self.ledger.admit(f.rid, f.prefill_id, f.decode_id, prefill_work, decode_work, r.prompt_tokens)
         if f.prefill_id == f.decode_id:
             job = Job(f.rid, r.prompt_tokens, r.output_tokens, payload=f)

@@ -4,6 +4,7 @@ per-instance and per-pair overrides, chunked prefill."""
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
@@ -133,7 +134,7 @@ def test_failed_save_leaves_old_file_and_no_temp_files(tmp_path, monkeypatch):
 )
 def test_refusals_name_field_and_value(data, field, value):
     with pytest.raises(CostModelError) as e:
-        CostModel.from_dict(data, source="cfg.yaml")
+        CostModel.from_dict(data, Path("cfg.yaml"))
     msg = str(e.value)
     assert f"field '{field}" in msg
     assert value in msg

@@ -55,8 +55,8 @@ def _assert_ids_from_candidates(name, d: Decision, prefill, decode):
     p_ids = {v.instance_id for v in prefill}
     d_ids = {v.instance_id for v in decode}
     assert d.decode_id in d_ids
-    if name == "pair_cost":
-        # pair_cost may prefill on the chosen decode instance (colocated), never elsewhere
+    if build_policy(name, make_cost_model()).may_colocate:
+        # a colocating policy may prefill on the chosen decode instance, never elsewhere
         assert d.prefill_id in p_ids or d.prefill_id == d.decode_id
     else:
         assert d.prefill_id in p_ids
@@ -124,8 +124,8 @@ def test_empty_decode_pool_raises(name, cm):
 def test_empty_prefill_pool(name, cm):
     pol = _policy(name, cm)
     decode = make_instances(Role.DECODE, backlog_s=[0.5, 0.1])
-    if name == "pair_cost":
-        # allow_colocated (the default) prefills on a decode instance: both ids are that instance
+    if pol.may_colocate:
+        # a colocating policy prefills on a decode instance: both ids are that instance
         d = pol.choose(_req(), [], decode, now=0.0)
         assert d.colocated and d.decode_id in {"d0", "d1"}
     else:
@@ -164,7 +164,7 @@ def test_prompt_plus_first_token_exactly_at_capacity_fits(name, cm):
     decode = make_instances(Role.DECODE, capacity=[1000, 900, 1000])
     d = pol.choose(_req(prompt=999), prefill, decode, now=0.0)
     assert d.decode_id in ("d0", "d2")
-    assert d.prefill_id in ("p0", d.decode_id) if name == "pair_cost" else d.prefill_id == "p0"
+    assert d.prefill_id in ("p0", d.decode_id) if pol.may_colocate else d.prefill_id == "p0"
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -175,7 +175,7 @@ def test_prompt_that_fits_only_one_instance_goes_there(name, cm):
     for i in range(4):  # cursors move; feasibility must still hold every time
         d = pol.choose(_req(i, prompt=1500), prefill, decode, now=0.0)
         assert d.decode_id == "d2"
-        assert d.prefill_id in ("p1", "d2") if name == "pair_cost" else d.prefill_id == "p1"
+        assert d.prefill_id in ("p1", "d2") if pol.may_colocate else d.prefill_id == "p1"
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -185,7 +185,7 @@ def test_busy_only_instance_is_still_chosen(name, cm):
     decode = make_instances(Role.DECODE, backlog_s=[300.0], queued=[1000], kv_used=[12_000])  # over-full
     d = pol.choose(_req(), prefill, decode, now=0.0)
     assert d.decode_id == "d0"
-    assert d.prefill_id in ("p0", "d0") if name == "pair_cost" else d.prefill_id == "p0"
+    assert d.prefill_id in ("p0", "d0") if pol.may_colocate else d.prefill_id == "p0"
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -1,0 +1,183 @@
+"""Start a local Ray cluster on loopback, deploy a Serve config, wait until it serves; stop it all.
+
+`make run` calls `python -m disagg.graph.launch --config deployments/local.yaml`; the test
+session uses `LocalStack` the same way. Shutdown order matters (measured): `serve shutdown` first,
+then wait until no vLLM engine process is left (an orphaned EngineCore keeps its NIXL ports and
+~2.5 GB, and the next deployment hangs), then `ray stop`.
+
+The cluster is started with the settings a single machine needs: loopback only, auth off, usage
+stats off, and worker niceness 0 — Ray's default nice 15 starves the engines against anything
+else running on a small machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from disagg.graph.config import ConfigError, load_serve_config
+
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_worker_niceness": "0",
+}
+ENGINE_PROCESS_MARKERS = ("EngineCore", "VLLM::EngineCore", "VLLM::Worker")
+
+
+def _bin(name: str) -> str:
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else (shutil.which(name) or name)
+
+
+def _env() -> dict[str, str]:
+    return {"DISAGG_RUN_DIR": os.getcwd(), **os.environ, **RAY_ENV}
+
+
+def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def engine_processes() -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    pids = []
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if any(m in args for m in ENGINE_PROCESS_MARKERS):
+            pids.append(int(pid))
+    return pids
+
+
+def ray_running() -> bool:
+    return subprocess.run([_bin("ray"), "status", "--address", "127.0.0.1:6379"], env=_env(),
+                          capture_output=True, timeout=60).returncode == 0
+
+
+class LocalStack:
+    """One Ray head on 127.0.0.1 and one deployed Serve config; a context manager."""
+
+    def __init__(self, config: str | Path, *, num_cpus: int | None = None, ready_timeout_s: float = 900.0,
+                 log=print) -> None:
+        self.config = Path(config)
+        self.num_cpus = num_cpus or os.cpu_count() or 2
+        self.ready_timeout_s = ready_timeout_s
+        self.log = log
+        self.apps = load_serve_config(self.config)  # fail before starting anything
+        doc = yaml.safe_load(self.config.read_text())
+        http = doc.get("http_options") or {}
+        self.base_url = f"http://127.0.0.1:{http.get('port', 8000)}"
+        self.started_ray = False
+
+    def __enter__(self) -> "LocalStack":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if engine_processes():
+            raise RuntimeError("vLLM engine processes from an earlier run are still alive "
+                               f"(pids {engine_processes()}); stop them first")
+        self._prepare_models()
+        if not ray_running():
+            self.log("starting Ray on 127.0.0.1 ...")
+            subprocess.run([_bin("ray"), "start", "--head", f"--num-cpus={self.num_cpus}",
+                            "--node-ip-address=127.0.0.1", "--include-dashboard=true",
+                            "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
+                           env=_env(), check=True, capture_output=True, timeout=180)
+            self.started_ray = True
+        self.log(f"deploying {self.config} ...")
+        subprocess.run([_bin("serve"), "deploy", str(self.config), "--address", "http://127.0.0.1:8265"],
+                       env=_env(), check=True, capture_output=True, timeout=180)
+        self.wait_ready()
+
+    def _prepare_models(self) -> None:
+        """Build the offline tiny models once here, rather than in every engine replica at once."""
+        from disagg.graph.engine_server import resolve_model
+
+        for _, cfg in self.apps:
+            if cfg.model.source.startswith("tiny:"):
+                resolve_model(cfg.model.source)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                status, body = _get(f"{self.base_url}/health")
+                if status == 200:
+                    self.log(f"ready: {body.decode()}")
+                    return
+                last = body.decode()[:200]
+            except (OSError, urllib.error.URLError) as e:
+                last = str(e)
+            time.sleep(2.0)
+        raise TimeoutError(f"the app at {self.base_url} was not healthy within {self.ready_timeout_s:.0f} s "
+                           f"(last answer: {last})")
+
+    def stop(self, timeout_s: float = 120.0) -> None:
+        subprocess.run([_bin("serve"), "shutdown", "-y", "--address", "http://127.0.0.1:8265"],
+                       env=_env(), capture_output=True, timeout=180)
+        deadline = time.monotonic() + timeout_s
+        while engine_processes() and time.monotonic() < deadline:
+            time.sleep(1.0)
+        for pid in engine_processes():  # orphans would hold NIXL ports and memory
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.started_ray:
+            subprocess.run([_bin("ray"), "stop", "--force"], env=_env(), capture_output=True, timeout=180)
+            self.started_ray = False
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="serve a config on a local Ray cluster until Ctrl-C")
+    ap.add_argument("--config", default="deployments/local.yaml")
+    args = ap.parse_args(argv)
+    try:
+        stack = LocalStack(args.config)
+    except ConfigError as e:
+        print(f"disagg: error: {e}", file=sys.stderr)
+        return 2
+    with stack:
+        url = stack.base_url
+        model = stack.apps[0][1].model.served_name
+        print(f"""
+Serving on {url} (Ray dashboard: http://127.0.0.1:8265). Try:
+
+  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})}' -i
+
+Ctrl-C stops everything this command started.""", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            print("\nstopping ...", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

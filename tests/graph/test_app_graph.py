@@ -1,0 +1,81 @@
+"""The production config and application graph, checked without a GPU (nothing is started)."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray.serve")
+
+from disagg.graph.app import PINNED_ROUTER, build_app  # noqa: E402
+from disagg.graph.config import ConfigError, load_serve_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _args(name: str) -> dict:
+    return yaml.safe_load((ROOT / "deployments" / name).read_text())["applications"][0]["args"]
+
+
+def _graph(args: dict):
+    router = build_app(args)._bound_deployment
+    prefill, decode = (a._bound_deployment for a in router.init_args[:2])
+    return router, prefill, decode
+
+
+def test_production_graph_is_the_papers_topology_on_gpus():
+    router, prefill, decode = _graph(_args("disagg.yaml"))
+    assert (router.name, prefill.name, decode.name) == ("router", "prefill", "decode")
+    assert prefill.ray_actor_options["num_gpus"] == 1 and decode.ray_actor_options["num_gpus"] == 1
+    assert prefill._deployment_config.num_replicas == 2
+    auto = decode._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (2, 6, 4)
+    for pool in (prefill, decode):
+        rr = pool._deployment_config.request_router_config
+        assert rr.request_router_class == PINNED_ROUTER
+    cfg = router.init_args[2]
+    assert cfg["engine"]["device"] == "cuda" and cfg["model"]["source"] == "Qwen/Qwen2.5-3B-Instruct"
+    assert cfg["engine"]["engine_kwargs"]["num_gpu_blocks_override"] * 16 == 60000
+
+
+def test_cpu_profile_graph_fits_two_cores():
+    router, prefill, decode = _graph(_args("local.yaml"))
+    total = sum(d.ray_actor_options["num_cpus"] * (d._deployment_config.num_replicas or 1)
+                for d in (router, prefill, decode))
+    assert prefill._deployment_config.num_replicas == 1 and decode._deployment_config.num_replicas == 2
+    assert total <= 2.0
+    assert all(d.ray_actor_options.get("num_gpus", 0) == 0 for d in (prefill, decode))
+
+
+@pytest.mark.parametrize("file", ["disagg.yaml", "local.yaml", "local-autoscale.yaml"])
+def test_shipped_configs_validate(file):
+    (name, cfg), = load_serve_config(ROOT / "deployments" / file)
+    assert cfg.router.policy == "marginal_cost"
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda a: a["engine"].update(device="cuda", gpu_memory_utilization=0.9, kv_cache_memory_bytes=None), "num_gpus"),
+    (lambda a: a["prefill"].update(num_gpus=1), "num_gpus"),
+    (lambda a: a["engine"].pop("kv_cache_memory_bytes"), "kv_cache_memory_bytes"),
+    (lambda a: a["router"].update(policy="oracle"), "simulator only"),
+    (lambda a: a["router"].update(policy="nope"), "known policies"),
+    (lambda a: a["decode"].update(autoscaling={"min_replicas": 3, "max_replicas": 1}), "min_replicas"),
+    (lambda a: a["model"].pop("served_name"), "served_name"),
+    (lambda a: a["engine"].update(turbo=True), "turbo"),
+])
+def test_bad_configs_are_refused_naming_the_field(mutate, field):
+    args = _args("local.yaml")
+    mutate(args)
+    with pytest.raises(ConfigError, match=field):
+        build_app(args)
+
+
+def test_config_file_errors_name_file_and_line(tmp_path):
+    doc = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
+    doc["applications"][0]["args"]["engine"]["max_num_seqs"] = -1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(doc, sort_keys=False))
+    with pytest.raises(ConfigError) as e:
+        load_serve_config(bad)
+    line = next(i for i, l in enumerate(bad.read_text().splitlines(), 1) if "max_num_seqs" in l)
+    assert str(e.value).startswith(f"{bad}:{line}: field 'applications.0.args.engine.max_num_seqs'")

@@ -1,0 +1,212 @@
+"""The product, end to end on the real stack: HTTP → router → prefill engine → NIXL → decode engine.
+
+One stack per session (tests/conftest.py): Ray on 127.0.0.1, the CPU profile's router,
+1 prefill + 2 decode vLLM engines (CPU build) on the offline tiny model. No stand-ins.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.stack
+MODEL = "tiny-qwen2"
+TIMEOUT = httpx.Timeout(120.0)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with httpx.Client(base_url=stack.base_url, timeout=TIMEOUT) as c:
+        yield c
+
+
+def set_policy(client, name, params=None):
+    r = client.post("/admin/policy", json={"name": name, "params": params or {}})
+    assert r.status_code == 200, r.text
+
+
+def state(client) -> dict:
+    r = client.get("/admin/state")
+    assert r.status_code == 200
+    return r.json()
+
+
+def route(resp) -> dict:
+    """x-disagg-route → {key: value}."""
+    return dict(part.split("=", 1) for part in resp.headers["x-disagg-route"].split("; "))
+
+
+def complete(client, prompt, max_tokens=16, headers=None, **kw):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **kw}
+    r = client.post("/v1/completions", json=body, headers=headers or {})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_health_and_models(client):
+    h = client.get("/health")
+    assert h.status_code == 200 and h.json()["instances"] == {"prefill": 1, "decode": 2}
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_completion_with_usage_and_route_header(client):
+    set_policy(client, "marginal_cost")
+    r = complete(client, "The router prices every candidate", max_tokens=12, ignore_eos=True)
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["text"]
+    assert body["usage"]["completion_tokens"] == 12
+    assert body["usage"]["prompt_tokens"] > 3
+    rt = route(r)
+    instances = state(client)["instances"]
+    assert rt["policy"] == "marginal_cost"
+    assert rt["prefill"] in instances and instances[rt["prefill"]]["role"] == "prefill"
+    assert rt["decode"] in instances and instances[rt["decode"]]["role"] == "decode"
+    assert float(rt["d_work"]) > 0 and float(rt["p_work"]) > 0  # priced, per term
+
+
+def test_the_handoff_goes_over_nixl(client):
+    set_policy(client, "marginal_cost")
+    before = {k: v for k, v in state(client)["instances"].items() if v["role"] == "decode"}
+    prompt = "KV blocks move from the prefill engine to the decode engine. " * 8
+    r = complete(client, prompt, max_tokens=8)
+    served = route(r)["served_decode"]
+    time.sleep(0.5)  # let a poll see the counters
+    after = state(client)["instances"][served]
+    assert after["kv_transfers_ok"] > before[served]["kv_transfers_ok"]
+    assert after["kv_received_tokens"] - before[served]["kv_received_tokens"] >= r.json()["usage"]["prompt_tokens"] - 16
+    assert after["kv_transfers_failed"] == before[served]["kv_transfers_failed"]
+
+
+def test_greedy_output_is_identical_disaggregated_colocated_and_across_decode_instances(client):
+    prompt = "Greedy decoding must not depend on where the KV cache was computed:"
+    set_policy(client, "colocated")
+    reference = [complete(client, prompt, max_tokens=24, ignore_eos=True) for _ in range(2)]
+    set_policy(client, "round_robin")
+    disagg = [complete(client, prompt, max_tokens=24, ignore_eos=True) for _ in range(2)]
+    texts = {r.json()["choices"][0]["text"] for r in reference + disagg}
+    assert len(texts) == 1
+    assert {route(r)["served_decode"] for r in disagg} == {k for k, v in state(client)["instances"].items()
+                                                          if v["role"] == "decode"}
+    assert all(route(r)["served_prefill"] == route(r)["served_decode"] for r in reference)
+    assert all(route(r)["served_prefill"] != route(r)["served_decode"] for r in disagg)
+
+
+def test_streaming_chat_with_usage(client):
+    set_policy(client, "marginal_cost")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Stream me some tokens"}],
+            "max_tokens": 20, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    chunks, done = [], False
+    with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-SLO-Class": "tight"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert route(r)["sigma"] == "2"  # the tight class is weighted up
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            chunks.append(json.loads(line[6:]))
+    assert done
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["usage"]["completion_tokens"] == 20
+    assert [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] == "length"]
+
+
+@pytest.mark.parametrize("n", [1, 7, 33])
+def test_token_count_contract(client, n):
+    r = complete(client, "count", max_tokens=n, ignore_eos=True)
+    assert r.json()["usage"]["completion_tokens"] == n
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_official_openai_client(stack):
+    openai = pytest.importorskip("openai")
+    c = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", timeout=120)
+    out = c.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 5
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+    stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text == chat.choices[0].message.content
+
+
+def test_policy_spreads_load_over_decode_instances(client):
+    set_policy(client, "least_loaded")
+    seen = {route(complete(client, f"spread {i}", max_tokens=4))["served_decode"] for i in range(8)}
+    assert len(seen) == 2
+
+
+def test_policy_switch_rejects_unknown_and_simulator_only(client):
+    r = client.post("/admin/policy", json={"name": "nope"})
+    assert r.status_code == 400 and "known policies" in r.json()["error"]["message"]
+    r = client.post("/admin/policy", json={"name": "oracle"})
+    assert r.status_code == 400 and "simulator only" in r.json()["error"]["message"]
+    set_policy(client, "length_heuristic", {"long_output_tokens": 64})
+    assert route(complete(client, "x", max_tokens=4))["policy"] == "length_heuristic"
+
+
+BAD = [
+    ("/v1/completions", b"{not json", None),
+    ("/v1/completions", json.dumps({"model": MODEL}).encode(), "prompt"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": 5}).encode(), "prompt"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(), "max_tokens"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 5000}).encode(), "max_tokens"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "word " * 3000}).encode(), "prompt"),
+    ("/v1/completions", json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), "model"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), "n"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "temperature": "hot"}).encode(), "temperature"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": [1, 2, 10**9]}).encode(), "prompt"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode(), "messages"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "x", "content": "y"}]}).encode(),
+     "messages.0.role"),
+]
+
+
+def test_bad_requests_get_400_naming_the_field_and_the_app_keeps_serving(client):
+    for path, raw, param in BAD:
+        r = client.post(path, content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (path, raw[:60], r.status_code, r.text[:200])
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param, (raw[:60], err)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"}, headers={"X-SLO-Class": "urgent"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-SLO-Class"
+    assert complete(client, "still serving", max_tokens=3, ignore_eos=True).json()["usage"]["completion_tokens"] == 3
+
+
+def test_client_disconnect_aborts_the_request(client, stack):
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # first token arrived, then the client goes away
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        s = state(client)
+        busy = sum(v["running"] + v["waiting"] for v in s["instances"].values())
+        if s["in_flight"] == 0 and busy == 0:
+            break
+        time.sleep(0.5)
+    assert s["in_flight"] == 0, s
+    assert busy == 0, "the engine kept decoding a request whose client left"
+    assert s["counters"]["cancelled"] >= 1
+
+
+def test_request_log_records_every_decision(client, stack):
+    set_policy(client, "marginal_cost")
+    r = complete(client, "log me", max_tokens=4, ignore_eos=True)
+    rid = r.json()["id"]
+    log = stack.run_dir / "runs" / "requests.jsonl"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and rid not in log.read_text():
+        time.sleep(0.2)
+    rec = next(json.loads(l) for l in log.read_text().splitlines() if json.loads(l)["id"] == rid)
+    assert rec["decision"]["policy"] == "marginal_cost" and rec["output_tokens"] == 4
+    assert rec["decision"]["decode_cost"]["own_work_s"] > 0 and rec["ttft_s"] > 0
+    assert rec["prefill"] == route(r)["served_prefill"]
