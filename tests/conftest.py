@@ -1,6 +1,7 @@
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,9 @@ def stack(tmp_path_factory):
     1 prefill + 2 decode vLLM engines with NIXL. Started once per test session, stopped at the end."""
     from disagg.graph.launch import LocalStack
 
+    if os.environ.get("DISAGG_STACK_URL"):  # develop against a stack already up (`make run`)
+        yield SimpleNamespace(base_url=os.environ["DISAGG_STACK_URL"], run_dir=Path.cwd())
+        return
     run_dir = tmp_path_factory.mktemp("stack")
     os.environ["DISAGG_RUN_DIR"] = str(run_dir)  # where the router writes its request log
     with LocalStack(ROOT / "deployments" / "local.yaml", log=lambda m: print(f"[stack] {m}", flush=True)) as s:

@@ -20,15 +20,17 @@ The engine deployment (one Serve replica = one `VllmEngine`) owns the object:
 
 What must hold
 --------------
-* One `VllmEngine` per process in production. Several in one process work (the test does it) as
-  long as their `start()` calls do not overlap: the environment is process-global, so `start()`
-  takes a process-wide lock while it sets it and spawns the EngineCore.
+* One `VllmEngine` per process in production. Several in one process work (the test runs three):
+  the environment is process-global, so `start()` holds a process-wide lock while it sets the
+  engine's variables and spawns its EngineCore; concurrent `start()` calls run one after another.
 * Every engine that takes part in transfers needs its own `side_channel_port` on its host.
 * The prefill engine pins a request's KV blocks until the decode engine has read them or the
   NIXL lease (`kv_lease_duration`, 30 s) expires: a prefill whose decode is never called costs
   KV capacity for that long. `abort(rid)` on the prefill engine does not release them early.
-* A decode whose transfer fails is not silently recomputed by this class; vLLM's policy applies
-  and the failure is counted in `EngineState.kv_transfers_failed`.
+* A decode whose KV transfer fails is not silently recomputed: vLLM's default
+  `kv_load_failure_policy="fail"` ends the stream with an error finish reason, and the failure is
+  counted in `EngineState.kv_transfers_failed`. Falling back (e.g. to a colocated decode) is the
+  caller's decision, and should be counted there.
 * Requests carry the caller's `request_id`; ids must be unique among in-flight requests of one
   engine. Using the same id for the prefill and the decode of a request is fine (and intended).
 
@@ -325,11 +327,17 @@ class VllmEngine:
         if self._llm is not None:
             raise RuntimeError("engine already started")
         t0 = time.perf_counter()
-        # The thread hands the engine over through a list, not its return value: to_thread's
-        # futures outlive the call and would keep the AsyncLLM alive after shutdown().
-        box: list[AsyncLLM] = []
-        await asyncio.to_thread(self._create, box)
-        self._llm = box.pop()
+        # The thread hands the engine over through a box, not its return value: to_thread's
+        # futures outlive the call and would keep the AsyncLLM alive after shutdown(). If start()
+        # is cancelled (e.g. a replica start-up timeout) while the thread still builds the engine,
+        # whichever side comes second shuts the orphan down, so no EngineCore process is leaked.
+        box = _Handover()
+        try:
+            await asyncio.to_thread(self._create, box)
+        except asyncio.CancelledError:
+            box.abandon()
+            raise
+        self._llm = box.take()
         cache = self._llm.vllm_config.cache_config
         self._kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
         self.start_time_s = time.perf_counter() - t0
@@ -337,7 +345,7 @@ class VllmEngine:
                     self.spec.model, self.spec.role.value, self.spec.side_channel_port,
                     self.start_time_s, self._kv_capacity_tokens)
 
-    def _create(self, box: list[AsyncLLM]) -> None:
+    def _create(self, box: _Handover) -> None:
         """Blocking part of start(), run in a worker thread so the event loop stays responsive."""
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -378,7 +386,16 @@ class VllmEngine:
         # The EngineCore process copies os.environ when it is spawned, inside from_engine_args,
         # and the env of one process is shared by all its engines: hence lock + scoped env.
         with _START_LOCK, _scoped_env(env):
-            box.append(AsyncLLM.from_engine_args(args, stat_loggers=loggers))
+            llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
+        # Drop our reference explicitly: vLLM start-up leaves a traceback that references this
+        # frame alive (first engine of a process), which would otherwise keep the engine alive.
+        if box.put(llm):
+            del llm
+            return
+        logger.warning("engine start was cancelled; shutting down the engine it built")
+        llm.shutdown()
+        del llm
+        gc.collect()  # see shutdown()
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine and its EngineCore process. Safe to call twice."""
@@ -408,8 +425,8 @@ class VllmEngine:
                                   max_tokens=1, stream=False, keep_stop=False)
         t0 = time.perf_counter()
         final = None
-        async for out in self._engine.generate(_tokens_prompt(prompt_token_ids), params,
-                                               request_id):
+        async for out in self._engine.generate(_engine_input(self._engine, prompt_token_ids),
+                                               params, request_id):
             final = out
         ttft = time.perf_counter() - t0
         if final is None or not final.outputs or not final.outputs[0].token_ids:
@@ -435,7 +452,8 @@ class VllmEngine:
             raise ValueError(f"engine role {self.spec.role.value!r} does not serve decode")
         params = _sampling_params(sampling, kv_transfer_params=kv_transfer_params,
                                   max_tokens=None, stream=True, keep_stop=True)
-        gen = self._engine.generate(_tokens_prompt(prompt_token_ids), params, request_id)
+        gen = self._engine.generate(_engine_input(self._engine, prompt_token_ids), params,
+                                   request_id)
         try:
             async for out in gen:
                 for c in out.outputs:  # n == 1: one completion
@@ -451,8 +469,12 @@ class VllmEngine:
     # -- signals and maintenance -------------------------------------------------------------
 
     async def state(self) -> EngineState:
-        """Latest load signals; no I/O (values as of the engine's last step with outputs)."""
-        self._engine  # raises if not started
+        """Latest load signals; no I/O (values as of the engine's last step with outputs).
+
+        Raises vLLM's EngineDeadError once the EngineCore has died, so it doubles as a health check.
+        """
+        if self._engine.errored:  # raises too if not started; makes state() a health check
+            raise self._engine.dead_error
         s = self._stats
         cap = self._kv_capacity_tokens
         return EngineState(
@@ -487,8 +509,42 @@ class VllmEngine:
 # Helpers
 # --------------------------------------------------------------------------------------------
 
-def _tokens_prompt(prompt_token_ids: Sequence[int]) -> dict[str, Any]:
-    return {"prompt_token_ids": list(prompt_token_ids)}
+class _Handover:
+    """Passes the AsyncLLM built in start()'s thread to the loop, or shuts it down if abandoned."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._llm: Any = None
+        self._abandoned = False
+
+    def put(self, llm: Any) -> bool:  # builder thread; False: abandoned, caller shuts it down
+        with self._lock:
+            if not self._abandoned:
+                self._llm = llm
+            return not self._abandoned
+
+    def abandon(self) -> None:  # event loop, on cancellation
+        with self._lock:
+            self._abandoned = True
+            llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+            del llm
+            gc.collect()
+
+    def take(self) -> Any:
+        llm, self._llm = self._llm, None
+        return llm
+
+
+def _engine_input(llm: AsyncLLM, prompt_token_ids: Sequence[int]) -> Any:
+    """A token prompt rendered the way vLLM 0.32 wants it (raw prompts are deprecated there)."""
+    prompt = {"prompt_token_ids": list(prompt_token_ids)}
+    renderer = getattr(llm, "renderer", None)
+    if renderer is None or not hasattr(renderer, "render_cmpl"):
+        return prompt  # older/newer vLLM without the renderer API: the raw form still works
+    (engine_input,) = renderer.render_cmpl([prompt])
+    return engine_input
 
 
 def _sampling_params(sampling: Mapping[str, Any], *, kv_transfer_params: Mapping[str, Any] | None,

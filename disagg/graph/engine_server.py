@@ -16,6 +16,7 @@ autoscaling, so ports cannot be assigned in the config file).
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from typing import Any, AsyncIterator
 
@@ -24,6 +25,8 @@ from ray import serve
 from disagg.core.types import Role
 from disagg.graph.config import AppConfig
 from disagg.graph.engine import EngineSpec, VllmEngine
+
+logger = logging.getLogger("ray.serve")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -61,6 +64,13 @@ def engine_spec(cfg: AppConfig, role: Role, side_channel_host: str, port: int) -
     )
 
 
+def _with_cause(e: Exception) -> RuntimeError:
+    """vLLM wraps the real error (EngineGenerateError from ...); name it, since Ray drops the chain."""
+    logger.exception("engine call failed")
+    cause = e.__cause__ or e.__context__
+    return RuntimeError(f"{type(e).__name__}: {e}" + (f" (cause: {type(cause).__name__}: {cause})" if cause else ""))
+
+
 class EngineServer:
     async def __init__(self, config: dict, role: str) -> None:
         cfg = AppConfig.model_validate(config)
@@ -75,19 +85,26 @@ class EngineServer:
         await self.engine.start()
 
     async def prefill(self, call: dict, replica: str | None = None) -> dict:
-        r = await self.engine.prefill(call["request_id"], call["prompt_token_ids"], call["sampling"])
+        try:
+            r = await self.engine.prefill(call["request_id"], call["prompt_token_ids"], call["sampling"])
+        except Exception as e:
+            raise _with_cause(e) from e
         return {"kv_transfer_params": r.kv_transfer_params, "first_token_id": r.first_token_id,
                 "engine_ttft_s": r.engine_ttft_s, "replica": self.replica_id}
 
     async def decode(self, call: dict, replica: str | None = None) -> AsyncIterator[dict]:
         first = True
-        async for chunk in self.engine.decode(call["request_id"], call["prompt_token_ids"], call["sampling"],
-                                              call.get("kv_transfer_params")):
-            out: dict[str, Any] = {"t": chunk.token_ids, "x": chunk.text, "f": chunk.finish_reason}
-            if first:
-                out["r"] = self.replica_id
-                first = False
-            yield out
+        stream = self.engine.decode(call["request_id"], call["prompt_token_ids"], call["sampling"],
+                                    call.get("kv_transfer_params"))
+        try:
+            async for chunk in stream:
+                out: dict[str, Any] = {"t": chunk.token_ids, "x": chunk.text, "f": chunk.finish_reason}
+                if first:
+                    out["r"] = self.replica_id
+                    first = False
+                yield out
+        except Exception as e:
+            raise _with_cause(e) from e
 
     async def abort(self, request_id: str, replica: str | None = None) -> None:
         await self.engine.abort(request_id)

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -64,8 +65,12 @@ def engine_processes() -> list[int]:
     return pids
 
 
+RAY_ADDRESS = "127.0.0.1:6379"
+_SERVE_SHUTDOWN = f"import ray; from ray import serve; ray.init(address={RAY_ADDRESS!r}); serve.shutdown()"
+
+
 def ray_running() -> bool:
-    return subprocess.run([_bin("ray"), "status", "--address", "127.0.0.1:6379"], env=_env(),
+    return subprocess.run([_bin("ray"), "status", "--address", RAY_ADDRESS], env=_env(),
                           capture_output=True, timeout=60).returncode == 0
 
 
@@ -108,8 +113,9 @@ class LocalStack:
                            env=_env(), check=True, capture_output=True, timeout=180)
             self.started_ray = True
         self.log(f"deploying {self.config} ...")
-        subprocess.run([_bin("serve"), "deploy", str(self.config), "--address", "http://127.0.0.1:8265"],
-                       env=_env(), check=True, capture_output=True, timeout=180)
+        # `serve run` talks to the cluster (GCS), not to the dashboard's REST API
+        subprocess.run([_bin("serve"), "run", "--non-blocking", "--address", RAY_ADDRESS, str(self.config)],
+                       env=_env(), check=True, capture_output=True, timeout=300)
         self.wait_ready()
 
     def _prepare_models(self) -> None:
@@ -137,8 +143,23 @@ class LocalStack:
                            f"(last answer: {last})")
 
     def stop(self, timeout_s: float = 120.0) -> None:
-        subprocess.run([_bin("serve"), "shutdown", "-y", "--address", "http://127.0.0.1:8265"],
-                       env=_env(), capture_output=True, timeout=180)
+        """Tear everything down; a second Ctrl-C during teardown is ignored, or engines would leak."""
+        if threading.current_thread() is not threading.main_thread():
+            return self._stop(timeout_s)
+        saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._stop(timeout_s)
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+
+    def _stop(self, timeout_s: float) -> None:
+        if ray_running():
+            try:
+                subprocess.run([sys.executable, "-c", _SERVE_SHUTDOWN], env=_env(), capture_output=True,
+                               timeout=180)
+            except subprocess.TimeoutExpired:
+                self.log("serve shutdown timed out; stopping engines and Ray anyway")
         deadline = time.monotonic() + timeout_s
         while engine_processes() and time.monotonic() < deadline:
             time.sleep(1.0)
@@ -152,6 +173,10 @@ class LocalStack:
             self.started_ray = False
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="serve a config on a local Ray cluster until Ctrl-C")
     ap.add_argument("--config", default="deployments/local.yaml")
@@ -161,6 +186,8 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"disagg: error: {e}", file=sys.stderr)
         return 2
+    # SIGTERM (a supervisor, `kill`) stops everything exactly like Ctrl-C does
+    signal.signal(signal.SIGTERM, _interrupt)
     with stack:
         url = stack.base_url
         model = stack.apps[0][1].model.served_name

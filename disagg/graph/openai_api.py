@@ -96,9 +96,14 @@ def parse_request(raw: bytes, kind: Literal["completion", "chat"]) -> Completion
         return model.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        param = ".".join(str(p) for p in first["loc"] if not _is_union_tag(p)) or None
         return_msg = f"{param}: {first['msg']}" if param else first["msg"]
         raise ApiError(return_msg, param=param) from None
+
+
+def _is_union_tag(loc_part) -> bool:
+    """pydantic puts the union member tried ('str', 'list[int]') in error locations: not a field."""
+    return isinstance(loc_part, str) and (loc_part in {"str", "int", "float", "bool"} or "[" in loc_part)
 
 
 def new_id(prefix: str) -> str:

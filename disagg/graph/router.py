@@ -96,6 +96,51 @@ class RequestLog:
             f.write(line)
 
 
+# Defined before Router: serve.ingress captures the class (and the globals it uses) when it is decorated.
+@dataclass(slots=True)
+class _Flight:
+    rid: str
+    req: Any
+    chat: bool
+    slo: SloClass
+    prompt_ids: list[int]
+    sampling: dict
+    decision: Decision | None = None
+    predicted: int | None = None
+    decision_us: float | None = None
+    admitted: bool = False
+    t_arrival: float | None = None
+    t_first: float | None = None
+    actual_prefill: str | None = None
+    actual_decode: str | None = None
+    fallback: str | None = None
+    prefill_engine_s: float | None = None
+    stream: Any = None
+    first: dict | None = None
+    generated: int = 0
+    finish_reason: str | None = None
+    finished: bool = False
+
+    def route_header(self) -> str:
+        h = self.decision.header_value() if self.decision else ""
+        actual = f"; served_prefill={self.actual_prefill}; served_decode={self.actual_decode}"
+        return h + actual + (f"; fallback={self.fallback}" if self.fallback else "")
+
+
+def _last_line(e: BaseException | None) -> str:
+    """A remote error's own message, without the Ray traceback around it."""
+    lines = str(e).strip().splitlines()
+    return lines[-1][:500] if lines else type(e).__name__
+
+
+def _min_width(pool) -> int:
+    return max(1, pool.autoscaling.min_replicas if pool.autoscaling else pool.num_replicas)
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
 @serve.ingress(fastapi_app)
 class Router:
     async def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, config: dict) -> None:
@@ -280,7 +325,7 @@ class Router:
         if chat:
             msgs = [m.model_dump() for m in req.messages]
             ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
+            if hasattr(ids, "keys"):  # recent transformers return a BatchEncoding (a mapping, not a list)
                 ids = ids["input_ids"]
             param = "messages"
         elif isinstance(req.prompt, list):
@@ -342,7 +387,7 @@ class Router:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a dead or failing prefill replica: try another, then go local
-                logger.warning("router: prefill of %s on %s failed: %s", f.rid, target, e)
+                logger.warning("router: prefill of %s on %s failed: %s", f.rid, target, _last_line(e))
                 self.counters.prefill_retries += 1
                 others = [i.instance_id for i in self._pool(Role.PREFILL) if i.instance_id not in tried]
                 if not others:
@@ -379,7 +424,8 @@ class Router:
                 last_error = RuntimeError("decode ended without output")
                 continue
             except Exception as e:
-                logger.warning("router: decode of %s on %s failed before its first token: %s", f.rid, target, e)
+                logger.warning("router: decode of %s on %s failed before its first token: %s", f.rid, target,
+                               _last_line(e))
                 last_error = e
                 stream.cancel()
                 self.counters.decode_retries += 1
@@ -395,7 +441,7 @@ class Router:
             f.t_first = time.monotonic()
             self.ledger.prefill_done(f.rid)
             return
-        raise ApiError(f"no decode instance could serve the request: {last_error}", status=503,
+        raise ApiError(f"no decode instance could serve the request: {_last_line(last_error)}", status=503,
                        kind="service_unavailable")
 
     async def _chunks(self, f: "_Flight") -> AsyncIterator[dict]:
@@ -417,7 +463,7 @@ class Router:
             f.stream.cancel()
             raise
         except Exception as e:
-            error = f"decode failed after {f.generated} tokens: {e}"
+            error = f"decode failed after {f.generated} tokens: {_last_line(e)}"
             self.counters.failed += 1
             raise ApiError(error, status=502, kind="upstream_error") from None
         finally:
@@ -462,41 +508,3 @@ class Router:
             "prefill_engine_s": f.prefill_engine_s,
         }
         self.log.write(record)
-
-
-@dataclass(slots=True)
-class _Flight:
-    rid: str
-    req: Any
-    chat: bool
-    slo: SloClass
-    prompt_ids: list[int]
-    sampling: dict
-    decision: Decision | None = None
-    predicted: int | None = None
-    decision_us: float | None = None
-    admitted: bool = False
-    t_arrival: float | None = None
-    t_first: float | None = None
-    actual_prefill: str | None = None
-    actual_decode: str | None = None
-    fallback: str | None = None
-    prefill_engine_s: float | None = None
-    stream: Any = None
-    first: dict | None = None
-    generated: int = 0
-    finish_reason: str | None = None
-    finished: bool = False
-
-    def route_header(self) -> str:
-        h = self.decision.header_value() if self.decision else ""
-        actual = f"; served_prefill={self.actual_prefill}; served_decode={self.actual_decode}"
-        return h + actual + (f"; fallback={self.fallback}" if self.fallback else "")
-
-
-def _min_width(pool) -> int:
-    return max(1, pool.autoscaling.min_replicas if pool.autoscaling else pool.num_replicas)
-
-
-def _error(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)

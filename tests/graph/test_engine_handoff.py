@@ -61,7 +61,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Stack:
+class Engines:
     """The engines of this module plus the one event loop they are bound to."""
 
     def __init__(self) -> None:
@@ -86,11 +86,12 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack():
+def engines():
+    """P, D and C started once for this module (not the session-wide `stack` of conftest.py)."""
     pytest.importorskip("vllm")
     pytest.importorskip("nixl")
     model = str(build_tiny_model())
-    st = Stack()
+    st = Engines()
     try:
         for name, role in (("prefill", Role.PREFILL), ("decode", Role.DECODE),
                            ("colocated", Role.BOTH)):
@@ -110,8 +111,8 @@ def stack():
         st.loop.close()
 
 
-def _ids(stack: Stack, text: str) -> list[int]:
-    return stack.P.tokenizer.encode(text, add_special_tokens=False)
+def _ids(engines: Engines, text: str) -> list[int]:
+    return engines.P.tokenizer.encode(text, add_special_tokens=False)
 
 
 async def _collect(engine: VllmEngine, rid: str, ids: Sequence[int], sampling: dict[str, Any],
@@ -150,27 +151,27 @@ async def _settled(engine: VllmEngine, pred, timeout: float = 5.0) -> EngineStat
 
 
 # --------------------------------------------------------------------------------------------
-# Stack tests
+# Engines tests
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.stack
-def test_handoff_is_token_identical_to_colocated_and_really_transfers(stack: Stack):
+def test_handoff_is_token_identical_to_colocated_and_really_transfers(engines: Engines):
     sampling = {**GREEDY, "max_tokens": 24}
-    before = stack.run(stack.D.state())
+    before = engines.run(engines.D.state())
     received_expected = 0
     for i, text in enumerate(PROMPTS):
-        ids = _ids(stack, text)
-        ref, ref_finish, ref_text = stack.run(_collect(stack.C, f"ref-{i}", ids, sampling, None))
-        pre, got, finish, _ = stack.run(_handoff(stack.P, stack.D, f"pd-{i}", ids, sampling))
+        ids = _ids(engines, text)
+        ref, ref_finish, ref_text = engines.run(_collect(engines.C, f"ref-{i}", ids, sampling, None))
+        pre, got, finish, _ = engines.run(_handoff(engines.P, engines.D, f"pd-{i}", ids, sampling))
         assert got == ref, f"prompt {i}: P/D output differs from colocated"
         assert finish == ref_finish
         assert pre.prompt_tokens == len(ids)
         assert pre.first_token_id == ref[0]  # prefill's sampled token agrees under greedy
         assert pre.engine_ttft_s > 0
         kv = pre.kv_transfer_params
-        assert kv["do_remote_prefill"] is True and kv["remote_port"] == stack.P.spec.side_channel_port
+        assert kv["do_remote_prefill"] is True and kv["remote_port"] == engines.P.spec.side_channel_port
         received_expected += len(ids) - 1  # at most the last prompt token may be recomputed
-    after = stack.run(_settled(stack.D, lambda s: s.kv_transfers_ok >= before.kv_transfers_ok
+    after = engines.run(_settled(engines.D, lambda s: s.kv_transfers_ok >= before.kv_transfers_ok
                                + len(PROMPTS) and s.running == 0))
     # The signal that KV was transferred, not recomputed: NIXL reads completed on D, and D's
     # scheduler counted the prompt tokens as computed externally (connector cache hits).
@@ -178,41 +179,41 @@ def test_handoff_is_token_identical_to_colocated_and_really_transfers(stack: Sta
     assert after.kv_transfers_failed == before.kv_transfers_failed == 0
     assert after.kv_received_tokens - before.kv_received_tokens >= received_expected
     # Only the decode engine receives; the reference engine never did.
-    assert stack.run(stack.C.state()).kv_received_tokens == 0
-    assert stack.run(stack.C.state()).kv_transfers_ok == 0
+    assert engines.run(engines.C.state()).kv_received_tokens == 0
+    assert engines.run(engines.C.state()).kv_transfers_ok == 0
 
 
 @pytest.mark.stack
 @pytest.mark.parametrize("n", [1, 7, 50])
-def test_ignore_eos_yields_exactly_max_tokens(stack: Stack, n: int):
-    ids = _ids(stack, PROMPTS[0])
+def test_ignore_eos_yields_exactly_max_tokens(engines: Engines, n: int):
+    ids = _ids(engines, PROMPTS[0])
     sampling = {**GREEDY, "max_tokens": n, "ignore_eos": True}
-    _, got, finish, _ = stack.run(_handoff(stack.P, stack.D, f"eos-pd-{n}", ids, sampling))
+    _, got, finish, _ = engines.run(_handoff(engines.P, engines.D, f"eos-pd-{n}", ids, sampling))
     assert len(got) == n and finish == "length"
-    local, local_finish, _ = stack.run(_collect(stack.C, f"eos-c-{n}", ids, sampling, None))
+    local, local_finish, _ = engines.run(_collect(engines.C, f"eos-c-{n}", ids, sampling, None))
     assert len(local) == n and local_finish == "length"
 
 
 @pytest.mark.stack
-def test_sixteen_concurrent_handoffs_match_and_run_at_speed(stack: Stack):
+def test_sixteen_concurrent_handoffs_match_and_run_at_speed(engines: Engines):
     n_req, n_tok = 16, 64
     sampling = {**GREEDY, "max_tokens": n_tok, "ignore_eos": True}
     words = " ".join(PROMPTS[:3]).split()
-    prompts = [_ids(stack, " ".join(words[i:] + words[:i]) * (1 + i % 3)) for i in range(n_req)]
+    prompts = [_ids(engines, " ".join(words[i:] + words[:i]) * (1 + i % 3)) for i in range(n_req)]
 
     async def all_pd(tag: str):
-        return await asyncio.gather(*[_handoff(stack.P, stack.D, f"{tag}-{i}", p, sampling)
+        return await asyncio.gather(*[_handoff(engines.P, engines.D, f"{tag}-{i}", p, sampling)
                                       for i, p in enumerate(prompts)])
 
-    stack.run(all_pd("warm"))
+    engines.run(all_pd("warm"))
     t0 = time.perf_counter()
-    results = stack.run(all_pd("conc"))
+    results = engines.run(all_pd("conc"))
     wall = time.perf_counter() - t0
     async def all_colocated():
-        return await asyncio.gather(*[_collect(stack.C, f"conc-ref-{i}", p, sampling, None)
+        return await asyncio.gather(*[_collect(engines.C, f"conc-ref-{i}", p, sampling, None)
                                       for i, p in enumerate(prompts)])
 
-    refs = stack.run(all_colocated())
+    refs = engines.run(all_colocated())
     mismatched = [i for i, (r, ref) in enumerate(zip(results, refs)) if r[1] != ref[0]]
     assert not mismatched, f"P/D output differs from colocated for requests {mismatched}"
     total = sum(len(r[1]) for r in results)
@@ -227,26 +228,26 @@ def test_sixteen_concurrent_handoffs_match_and_run_at_speed(stack: Stack):
 
 
 @pytest.mark.stack
-def test_state_is_sane_in_flight_and_when_idle(stack: Stack):
-    ids = _ids(stack, PROMPTS[3])
+def test_state_is_sane_in_flight_and_when_idle(engines: Engines):
+    ids = _ids(engines, PROMPTS[3])
 
     async def scenario():
         chunks = []
-        stream = stack.D.decode("state-1", ids, {**GREEDY, "max_tokens": 1500,
+        stream = engines.D.decode("state-1", ids, {**GREEDY, "max_tokens": 1500,
                                                  "ignore_eos": True}, None)
         async for chunk in stream:
             chunks.append(chunk)
             if len(chunks) == 5:
-                busy = await stack.D.state()
-                await stack.D.abort("state-1")
+                busy = await engines.D.state()
+                await engines.D.abort("state-1")
         return busy, chunks
 
-    busy, chunks = stack.run(scenario())
+    busy, chunks = engines.run(scenario())
     assert chunks[-1].finish_reason == "abort"
     assert busy.running == 1 and busy.waiting == 0
     assert 0 < busy.kv_used_tokens <= busy.kv_capacity_tokens
     assert busy.kv_used_tokens >= len(ids)
-    idle = stack.run(_settled(stack.D, lambda s: s.running == 0 and s.kv_used_tokens == 0))
+    idle = engines.run(_settled(engines.D, lambda s: s.running == 0 and s.kv_used_tokens == 0))
     assert (idle.running, idle.waiting, idle.kv_used_tokens) == (0, 0, 0)
     cap = idle.kv_capacity_tokens
     # 64 MiB of bf16 KV for 2 layers x 2 KV heads x 32 dims: 512 B/token -> 131072 tokens.
@@ -255,39 +256,41 @@ def test_state_is_sane_in_flight_and_when_idle(stack: Stack):
 
 
 @pytest.mark.stack
-def test_prefix_cache_counts_hits_and_resets(stack: Stack):
-    ids = _ids(stack, PROMPTS[3] * 3)  # several full 128-token blocks
-    s0 = stack.run(stack.C.state())
+def test_prefix_cache_counts_hits_and_resets(engines: Engines):
+    ids = _ids(engines, PROMPTS[3] * 3)  # several full 128-token blocks
+    s0 = engines.run(engines.C.state())
     for rid in ("pc-1", "pc-2"):
-        stack.run(_collect(stack.C, rid, ids, {**GREEDY, "max_tokens": 2}, None))
-    s1 = stack.run(_settled(stack.C, lambda s: s.prefix_cache_queries >= s0.prefix_cache_queries
+        engines.run(_collect(engines.C, rid, ids, {**GREEDY, "max_tokens": 2}, None))
+    s1 = engines.run(_settled(engines.C, lambda s: s.prefix_cache_queries >= s0.prefix_cache_queries
                             + 2 * len(ids)))
     assert s1.prefix_cache_hits - s0.prefix_cache_hits >= 128  # the second run hit >= 1 block
-    assert stack.run(stack.C.reset_prefix_cache()) is True
-    stack.run(_collect(stack.C, "pc-3", ids, {**GREEDY, "max_tokens": 2}, None))
-    s2 = stack.run(_settled(stack.C, lambda s: s.prefix_cache_queries > s1.prefix_cache_queries))
+    assert engines.run(engines.C.reset_prefix_cache()) is True
+    engines.run(_collect(engines.C, "pc-3", ids, {**GREEDY, "max_tokens": 2}, None))
+    s2 = engines.run(_settled(engines.C, lambda s: s.prefix_cache_queries > s1.prefix_cache_queries))
     assert s2.prefix_cache_hits == s1.prefix_cache_hits  # nothing left to hit after the reset
 
 
 @pytest.mark.stack
-def test_roles_and_sampling_are_validated(stack: Stack):
-    ids = _ids(stack, PROMPTS[0])
+def test_roles_and_sampling_are_validated(engines: Engines):
+    ids = _ids(engines, PROMPTS[0])
     with pytest.raises(ValueError, match="does not serve prefill"):
-        stack.run(stack.D.prefill("bad-1", ids, GREEDY))
+        engines.run(engines.D.prefill("bad-1", ids, GREEDY))
     with pytest.raises(ValueError, match="does not serve decode"):
-        stack.run(_collect(stack.P, "bad-2", ids, GREEDY, None))
+        engines.run(_collect(engines.P, "bad-2", ids, GREEDY, None))
     with pytest.raises(ValueError, match="unknown sampling keys"):
-        stack.run(_collect(stack.C, "bad-3", ids, {"top_k": 3}, None))
+        engines.run(_collect(engines.C, "bad-3", ids, {"top_k": 3}, None))
     with pytest.raises(ValueError, match="only n=1"):
-        stack.run(stack.P.prefill("bad-4", ids, {"n": 2}))
+        engines.run(engines.P.prefill("bad-4", ids, {"n": 2}))
 
 
 @pytest.mark.stack
-def test_idle_workers_do_not_spin(stack: Stack):
+def test_idle_workers_do_not_spin(engines: Engines):
     """NIXL's busy-polling progress thread would keep each worker at ~100 % of a core."""
     psutil = pytest.importorskip("psutil")
-    workers = [p for p in psutil.Process().children(recursive=True) if "Worker" in p.name()]
-    assert len(workers) == len(stack.engines)
+    # This process's own engines only (a session-wide Ray stack may run engines too).
+    cores = [p for p in psutil.Process().children() if "EngineCore" in p.name()]
+    workers = [w for c in cores for w in c.children() if "Worker" in w.name()]
+    assert len(workers) == len(engines.engines)
     for w in workers:
         w.cpu_percent(None)
     time.sleep(2.0)
