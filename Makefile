@@ -35,9 +35,9 @@ run: install
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=1800 tests
 
-# the pure core and simulator only (no serving stack needed)
-unit:
-	$(PYTHON) -m pytest -q -m "not stack" tests
+# everything but the real-stack tests (no Ray cluster, no engines)
+unit: install
+	$(PY) -m pytest -q -p no:cacheprovider -m "not stack" tests
 
 sim:
 	$(PY) -m disagg.cli sim --trace azure_conv_2023 --saturation \
