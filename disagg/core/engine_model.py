@@ -115,6 +115,7 @@ class EngineModel:
         self._transfers: list[Job] = []
         self.steps_run = 0
         self.preemptions = 0
+        self.version = 0  # bumped whenever what a poll reads may have changed
 
     # --- what the router's poll sees -------------------------------------------------------
 
@@ -142,6 +143,7 @@ class EngineModel:
         """Queue a job. The caller then calls `poke(now)` to (re)schedule."""
         job.state = JobState.WAITING
         self.waiting.append(job)
+        self.version += 1
 
     def kv_arrived(self, job: Job) -> None:
         """The decode-side transfer for `job` finished; it decodes from the next step."""
@@ -150,6 +152,7 @@ class EngineModel:
         self.transferring -= 1
         job.state = JobState.READY
         self.ready.append(job)
+        self.version += 1
 
     def release(self, job: Job) -> None:
         """The prefill side's KV for `job` has been transferred out: free its blocks."""
@@ -159,6 +162,7 @@ class EngineModel:
         job.blocks = 0
         job.state = JobState.DONE
         self.holding -= 1
+        self.version += 1
 
     def take_transfers(self) -> list[Job]:
         """Decode-side jobs admitted since the last call: the caller starts their KV transfers."""
@@ -201,6 +205,7 @@ class EngineModel:
         return total
 
     def _plan(self, now: float) -> float | None:
+        self.version += 1
         for job in self.ready:
             self._join(job, generated=0)
         self.ready.clear()
@@ -292,6 +297,7 @@ class EngineModel:
     def end_step(self, now: float) -> StepOutcome:
         """The step in flight ended at `now`: advance state; returns what happened since the last call."""
         out = StepOutcome()
+        self.version += 1
         k = self._k
         grown = self._blocks_over(k)
         self.free_blocks -= grown

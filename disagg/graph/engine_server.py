@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -94,13 +95,15 @@ class EngineServer:
 
     async def decode(self, call: dict, replica: str | None = None) -> AsyncIterator[dict]:
         first = True
+        t0 = time.perf_counter()
         stream = self.engine.decode(call["request_id"], call["prompt_token_ids"], call["sampling"],
                                     call.get("kv_transfer_params"))
         try:
             async for chunk in stream:
                 out: dict[str, Any] = {"t": chunk.token_ids, "x": chunk.text, "f": chunk.finish_reason}
-                if first:
+                if first:  # who served it, and the engine-side time to the first token
                     out["r"] = self.replica_id
+                    out["e"] = time.perf_counter() - t0
                     first = False
                 yield out
         except Exception as e:

@@ -115,6 +115,7 @@ class _Flight:
     actual_decode: str | None = None
     fallback: str | None = None
     prefill_engine_s: float | None = None
+    decode_engine_first_s: float | None = None
     stream: Any = None
     first: dict | None = None
     generated: int = 0
@@ -439,6 +440,7 @@ class Router:
                 f.actual_prefill = target
             f.stream, f.first = stream, first
             f.t_first = time.monotonic()
+            f.decode_engine_first_s = first.get("e")
             self.ledger.prefill_done(f.rid)
             return
         raise ApiError(f"no decode instance could serve the request: {_last_line(last_error)}", status=503,
@@ -505,6 +507,6 @@ class Router:
             "decision": f.decision.as_dict() if f.decision else None, "decision_us": f.decision_us,
             "ttft_s": (f.t_first - f.t_arrival) if f.t_first and f.t_arrival else None,
             "e2e_s": (now - f.t_arrival) if f.t_arrival else None,
-            "prefill_engine_s": f.prefill_engine_s,
+            "prefill_engine_s": f.prefill_engine_s, "decode_engine_first_s": f.decode_engine_first_s,
         }
         self.log.write(record)

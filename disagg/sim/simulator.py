@@ -125,6 +125,7 @@ class Simulator:
         self.ledger = Ledger()
         self._polled = {iid: self._poll_one(e) for iid, e in self.engines.items()}
         self._tick_seen = dict.fromkeys(self.engines, 0)
+        self._polled_version = {iid: e.version for iid, e in self.engines.items()}
         self._heap: list = []
         self._seq = 0
         self._step_epoch: dict[str, int] = {iid: 0 for iid in self.engines}
@@ -146,7 +147,10 @@ class Simulator:
         tick = int(now / self.poll_interval_s)
         if tick != self._tick_seen[iid]:
             self._tick_seen[iid] = tick
-            self._polled[iid] = self._poll_one(self.engines[iid])
+            e = self.engines[iid]
+            if e.version != self._polled_version[iid]:  # unchanged engine: same snapshot
+                self._polled_version[iid] = e.version
+                self._polled[iid] = self._poll_one(e)
             self.ledger.polled(iid)
 
     def _poke(self, iid: str, now: float) -> None:
