@@ -205,6 +205,8 @@ class EngineModel:
         return total
 
     def _plan(self, now: float) -> float | None:
+        if not (self.waiting or self.ready or self.decoding or self.prefilling):
+            return None  # nothing to run (a common poke: a transfer out just freed blocks)
         self.version += 1
         for job in self.ready:
             self._join(job, generated=0)
@@ -213,7 +215,8 @@ class EngineModel:
             self._preempt_newest()
         n = len(self.decoding)
         budget = self.c.max_batched_tokens - n
-        reserved = self._blocks_over(1)  # the decode step's own new blocks come first
+        # the decode step's own new blocks come first (only prefill chunks compete for them)
+        reserved = self._blocks_over(1) if (self.prefilling or self.waiting) else 0
         self.free_blocks -= reserved
         chunks: list[tuple[Job, int]] = []
         for job in self.prefilling:

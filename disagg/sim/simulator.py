@@ -166,8 +166,10 @@ class Simulator:
         return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens, e.running, e.num_waiting)
 
     def _views(self, ids: Sequence[str], now: float) -> list[InstanceView]:
+        tick, seen = int(now / self.poll_interval_s), self._tick_seen
         for i in ids:
-            self._refresh(i, now)
+            if seen[i] != tick:
+                self._refresh(i, now)
         led, pol, roles = self.ledger, self._polled, self.roles
         return [led.view(i, roles[i], pol[i]) for i in ids]
 

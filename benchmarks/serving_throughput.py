@@ -1,0 +1,512 @@
+"""Serving throughput and TTFT: our graph vs the same engines' limit vs Ray Serve LLM's own P/D app.
+
+Usage (from the repository root, with nothing else running on the machine):
+
+    .venv/bin/python benchmarks/serving_throughput.py --rounds 5 --json runs/serving_throughput.json
+    # Ray Serve LLM's direct-streaming mode needs env vars at `ray start`: a separate phase
+    .venv/bin/python benchmarks/serving_throughput.py --mode direct --systems B,C --json runs/st-direct.json
+
+Three systems run 1 prefill + 1 decode vLLM engine (CPU build) of the offline tiny model each, KV
+moved over NIXL, and are driven with the same load: `--streams` concurrent streaming requests
+(default 16), each `--tokens` output tokens (64, ignore_eos, temperature 0), distinct short
+prompts (new ones every round, the same set for every system within a round):
+
+* A — our graph: deployments/bench-1p1d.yaml deployed with `disagg.graph.launch.LocalStack`
+  (router ingress → prefill replica → decode replica, tokens back through the router), driven
+  over HTTP (`POST /v1/completions`, SSE) with httpx.
+* B — the same engines' limit: two `disagg.graph.engine.VllmEngine` objects (prefill, decode) in
+  *this* process, outside Ray; per request `prefill()` then `decode()` with the prefill's
+  `kv_transfer_params`. No HTTP, no tokenization in the timed path (prompts are tokenized before
+  the round), no Serve hop: a stricter limit than two bare vLLM API servers.
+* C — Ray Serve LLM's P/D app (`ray.serve.llm.build_pd_openai_app`), configured for this CPU
+  machine as measured in /work/shared/CPU-STACK.md, deployed into the same Ray cluster as a
+  second Serve application on `/raylm` (ingress → decode replica → prefill replica).
+  `--mode direct` starts Ray with `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1` and
+  `RAY_SERVE_ENABLE_HA_PROXY=1`, which changes Serve's proxy for *every* application on the
+  cluster, so it is a separate run (its A, if measured, is labelled as such).
+
+Rounds are interleaved (A, B, C, A, B, C, ...) after one unmeasured warm-up round per system.
+Per round and system: output tokens/s = total output tokens / wall time of the round (first send
+to last byte); client TTFT = send → first SSE event carrying a choice (A, C) or first token
+chunk (B). TTFT percentiles pool every measured request of every round.
+
+For A it also joins each request with the router's request log (runs/bench-requests.jsonl under
+DISAGG_RUN_DIR, by response id) and reports
+* hop overhead = client TTFT − (prefill_engine_s + decode_engine_first_s): everything on the
+  path that is not the two engines' own time (proxy, router, Serve handle calls, the NIXL pull
+  is inside decode_engine_first_s);
+* proxy + HTTP cost = client TTFT − router ttft_s (ttft_s is measured inside the router, from the
+  router's arrival to the first token).
+
+Every wait is bounded in time; every loop in count. Teardown always runs: B's engines are shut
+down, then LocalStack.stop (serve shutdown of both applications, no engine process left, ray stop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny-qwen2"
+BASE_URL = "http://127.0.0.1:8000"
+RAYLM_PREFIX = "/raylm"
+KV_BYTES = 64 << 20
+DIRECT_ENV = {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+WORDS = ("model token request prefill decode cache memory engine router latency throughput batch "
+         "queue prompt output input length budget cost price signal pressure block transfer network "
+         "server replica cluster node worker process thread core machine deploy scale config policy "
+         "schedule estimate predict measure simulate calibrate route serve stream answer question").split()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def prompts_for_round(round_tag: str, n: int) -> list[str]:
+    """n distinct short prompts (about 20-30 tokens); distinct across rounds via the tag."""
+    out = []
+    for i in range(n):
+        words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(12 + i % 5)]
+        out.append(f"Request {round_tag}-{i}: " + " ".join(words) + ".")
+    return out
+
+
+@dataclass
+class Result:
+    system: str
+    request_id: str | None
+    ttft_s: float | None
+    tokens: int
+    t_start: float
+    t_end: float
+    error: str | None = None
+
+
+@dataclass
+class Round:
+    system: str
+    index: int  # -1: warm-up
+    wall_s: float
+    tokens: int
+    tok_s: float
+    ttft_s: list[float]
+    errors: list[str] = field(default_factory=list)
+    short_requests: int = 0  # requests that produced fewer tokens than asked
+
+
+# ------------------------------------------------------------------------------------------------
+# Clients
+# ------------------------------------------------------------------------------------------------
+
+async def http_stream(client, system: str, path: str, prompt: str, tokens: int) -> Result:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    rid, ttft, usage_tokens, events = None, None, None, 0
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")[:300]
+                return Result(system, None, None, 0, t0, time.perf_counter(), f"HTTP {r.status_code}: {text}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data.strip() == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj and not obj.get("choices"):
+                    return Result(system, rid, ttft, usage_tokens or 0, t0, time.perf_counter(),
+                                  f"stream error: {str(obj['error'])[:300]}")
+                rid = rid or obj.get("id")
+                if obj.get("choices"):
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    events += 1
+                if obj.get("usage"):
+                    usage_tokens = obj["usage"].get("completion_tokens")
+    except Exception as e:  # a failed request is reported, the round goes on
+        return Result(system, rid, ttft, usage_tokens or 0, t0, time.perf_counter(), f"{type(e).__name__}: {e}")
+    if usage_tokens is None:
+        return Result(system, rid, ttft, 0, t0, time.perf_counter(),
+                      f"no usage in the stream ({events} choice events)")
+    return Result(system, rid, ttft, usage_tokens, t0, time.perf_counter())
+
+
+async def engine_request(P, D, rid: str, ids: list[int], tokens: int) -> Result:
+    sampling = {"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    ttft, n = None, 0
+    try:
+        pre = await P.prefill(rid, ids, sampling)
+        async for chunk in D.decode(rid, ids, sampling, pre.kv_transfer_params):
+            if chunk.token_ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            n += len(chunk.token_ids)
+    except Exception as e:
+        return Result("B", rid, ttft, n, t0, time.perf_counter(), f"{type(e).__name__}: {e}")
+    return Result("B", rid, ttft, n, t0, time.perf_counter())
+
+
+# ------------------------------------------------------------------------------------------------
+# System C: Ray Serve LLM's P/D app
+# ------------------------------------------------------------------------------------------------
+
+def raylm_llm_config(model_path: str) -> dict:
+    """One LLMConfig for Ray Serve LLM on this CPU machine (CPU-STACK.md), engine settings as ours."""
+    from disagg.graph.engine import nixl_reserved_cpus
+
+    env = {
+        # the two CPU tunings: OpenMP on the core NixlConnector pins the worker to; the NIXL agent
+        # without its busy-polling progress thread comes from disagg.graph.vllm_plugin, a vLLM
+        # general plugin installed in this venv, so it is live in Ray Serve LLM's engines too.
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in nixl_reserved_cpus()),
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        **OFFLINE_ENV,
+    }
+    return {
+        "model_loading_config": {"model_id": MODEL, "model_source": model_path},
+        "accelerator_config": {"kind": "cpu"},
+        "placement_group_config": {"bundles": [{"CPU": 0.5}]},
+        "deployment_config": {"ray_actor_options": {"num_cpus": 0}},
+        "engine_kwargs": {
+            "max_model_len": 2048, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
+            "kv_cache_memory_bytes": KV_BYTES, "enforce_eager": True, "seed": 0,
+            "kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                                   "kv_buffer_device": "cpu"},
+        },
+        "runtime_env": {"env_vars": env},
+    }
+
+
+_DEPLOY_RAYLM = r"""
+import json, sys
+import ray
+from ray import serve
+from ray.serve.llm import build_pd_openai_app
+args = json.loads(sys.argv[1])
+ray.init(address="127.0.0.1:6379", logging_level="WARNING")
+app = build_pd_openai_app(args["pd"])
+serve.run(app, name="raylm", route_prefix=args["prefix"], blocking=False)
+print("deployed", flush=True)
+"""
+
+
+def deploy_raylm(model_path: str, timeout_s: float) -> None:
+    cfg = raylm_llm_config(model_path)
+    pd = {"prefill_config": cfg, "decode_config": json.loads(json.dumps(cfg)),
+          # Serve's default reservation of 1 CPU for the ingress replica does not fit next to our
+          # app on 2 logical CPUs; the same 0.1 as our router (a reservation, not a speed limit).
+          "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.1}}}
+    log("deploying Ray Serve LLM's P/D app on /raylm ...")
+    r = subprocess.run([sys.executable, "-c", _DEPLOY_RAYLM, json.dumps({"pd": pd, "prefix": RAYLM_PREFIX})],
+                       capture_output=True, text=True, timeout=timeout_s, env={**os.environ})
+    if r.returncode != 0:
+        raise RuntimeError(f"deploying Ray Serve LLM failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:  # bounded: a served completion, not just RUNNING
+        try:
+            req = urllib.request.Request(
+                f"{BASE_URL}{RAYLM_PREFIX}/v1/completions", method="POST",
+                data=json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 2}).encode(),
+                headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                if resp.status == 200:
+                    log(f"Ray Serve LLM ready: {resp.read()[:120]!r}")
+                    return
+        except urllib.error.HTTPError as e:
+            last = f"HTTP {e.code}: {e.read()[:200]!r}"
+        except OSError as e:
+            last = str(e)
+        time.sleep(3.0)
+    raise TimeoutError(f"Ray Serve LLM did not serve within {timeout_s:.0f} s (last: {last})")
+
+
+# ------------------------------------------------------------------------------------------------
+# The benchmark
+# ------------------------------------------------------------------------------------------------
+
+class RequestLogTail:
+    """Reads the router's request log from where it was at construction (records are appended)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def records(self, ids: set[str], timeout_s: float = 15.0) -> dict[str, dict]:
+        """The records of `ids` appended since the last call; waits (bounded) for all of them."""
+        found: dict[str, dict] = {}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.path.exists():
+                with open(self.path, "rb") as f:
+                    f.seek(self.offset)
+                    data = f.read()
+                end = data.rfind(b"\n") + 1  # whole lines only
+                for line in data[:end].splitlines():
+                    rec = json.loads(line)
+                    if rec.get("id") in ids:
+                        found[rec["id"]] = rec
+                self.offset += end
+            if ids <= found.keys() or time.monotonic() > deadline:
+                return found
+            time.sleep(0.2)
+
+
+async def run_round(system: str, index: int, prompts: list[str], tokens: int, ctx: dict,
+                    timeout_s: float) -> tuple[Round, list[Result]]:
+    if system == "B":
+        P, D, tok = ctx["B"]
+        ids = [tok.encode(p) for p in prompts]  # outside the timed section
+        coros = [engine_request(P, D, f"b{index}-{i}-{time.monotonic_ns()}", x, tokens) for i, x in enumerate(ids)]
+    else:
+        path = "/v1/completions" if system.startswith("A") else f"{RAYLM_PREFIX}/v1/completions"
+        coros = [http_stream(ctx["http"], system, path, p, tokens) for p in prompts]
+    t0 = time.perf_counter()
+    results = await asyncio.wait_for(asyncio.gather(*coros), timeout_s)
+    wall = max(r.t_end for r in results) - t0
+    total = sum(r.tokens for r in results)
+    rnd = Round(system, index, wall, total, total / wall if wall > 0 else 0.0,
+                [r.ttft_s for r in results if r.ttft_s is not None and r.error is None],
+                [r.error for r in results if r.error],
+                sum(1 for r in results if r.tokens < tokens))
+    return rnd, results
+
+
+async def bench(args, systems: list[str], labels: dict[str, str]) -> dict:
+    import httpx
+
+    ctx: dict[str, Any] = {}
+    engines = []
+    out: dict[str, Any] = {"rounds": [], "hop": []}
+    try:
+        if "B" in systems:
+            from disagg.core.types import Role
+            from disagg.graph.engine import EngineSpec, VllmEngine
+            from disagg.graph.engine_server import free_port
+            from disagg.graph.tiny_model import build_tiny_model
+
+            model = str(build_tiny_model())
+            for role in (Role.PREFILL, Role.DECODE):
+                spec = EngineSpec(model=model, role=role, side_channel_port=free_port(),
+                                  kv_cache_memory_bytes=KV_BYTES, max_model_len=2048, max_num_seqs=64,
+                                  max_num_batched_tokens=2048, seed=0)
+                e = VllmEngine(spec)
+                engines.append(e)  # before start: a half-started engine is shut down too
+                log(f"B: starting the in-process {role.value} engine ...")
+                await asyncio.wait_for(e.start(), args.start_timeout)
+                log(f"B: {role.value} engine ready in {e.start_time_s:.1f} s")
+            ctx["B"] = (engines[0], engines[1], engines[0].tokenizer)
+        limits = httpx.Limits(max_connections=args.streams * 2, max_keepalive_connections=args.streams * 2)
+        ctx["http"] = httpx.AsyncClient(base_url=BASE_URL, timeout=httpx.Timeout(args.request_timeout),
+                                        limits=limits)
+        tail = RequestLogTail(args.request_log) if "A" in systems else None
+
+        for w in range(args.warmup):  # unmeasured: first-use costs of every path
+            for s in systems:
+                rnd, res = await run_round(s, -1, prompts_for_round(f"w{w}{s}", args.streams), args.tokens, ctx,
+                                           args.round_timeout)
+                log(f"warm-up {labels[s]}: {rnd.tok_s:.0f} tok/s, errors {len(rnd.errors)}"
+                    + (f" ({rnd.errors[0]})" if rnd.errors else ""))
+        if tail:
+            tail.records(set(), timeout_s=0)  # skip the warm-up records
+
+        for i in range(args.rounds):
+            prompts = prompts_for_round(f"r{i}", args.streams)  # same set for every system this round
+            for s in systems:
+                await asyncio.sleep(args.pause)
+                rnd, res = await run_round(s, i, prompts, args.tokens, ctx, args.round_timeout)
+                out["rounds"].append(asdict(rnd))
+                msg = (f"round {i} {labels[s]}: {rnd.tok_s:.0f} tok/s ({rnd.tokens} tokens in {rnd.wall_s:.3f} s), "
+                       f"TTFT p50 {percentile(rnd.ttft_s, 50) * 1e3:.0f} ms")
+                if s == "A" and tail:
+                    ids = {r.request_id for r in res if r.request_id}
+                    recs = tail.records(ids)
+                    for r in res:
+                        rec = recs.get(r.request_id)
+                        if rec is None or r.ttft_s is None or r.error:
+                            continue
+                        pe, de, rt = rec.get("prefill_engine_s"), rec.get("decode_engine_first_s"), rec.get("ttft_s")
+                        out["hop"].append({
+                            "round": i, "id": r.request_id, "client_ttft_s": r.ttft_s, "router_ttft_s": rt,
+                            "prefill_engine_s": pe, "decode_engine_first_s": de,
+                            "hop_overhead_s": (r.ttft_s - pe - de) if pe is not None and de is not None else None,
+                            "proxy_http_s": (r.ttft_s - rt) if rt is not None else None,
+                            "router_internal_s": (rt - pe - de) if None not in (rt, pe, de) else None,
+                        })
+                    msg += f", log records {len(recs)}/{len(ids)}"
+                if rnd.errors or rnd.short_requests:
+                    msg += f", ERRORS {len(rnd.errors)} short {rnd.short_requests}: {rnd.errors[:1]}"
+                log(msg)
+    finally:
+        if "http" in ctx:
+            await ctx["http"].aclose()
+        for e in reversed(engines):
+            try:
+                await asyncio.wait_for(e.shutdown(), 60)
+            except Exception as exc:  # keep shutting the others down
+                log(f"B: engine shutdown failed: {exc!r}")
+    return out
+
+
+def summarize(data: dict, systems: list[str], labels: dict[str, str]) -> dict:
+    summary: dict[str, Any] = {}
+    for s in systems:
+        rounds = [r for r in data["rounds"] if r["system"] == s]
+        if not rounds:
+            continue
+        tps = [r["tok_s"] for r in rounds]
+        ttft = [t for r in rounds for t in r["ttft_s"]]
+        summary[s] = {
+            "label": labels[s], "rounds": len(rounds), "tok_s_median": statistics.median(tps),
+            "tok_s_min": min(tps), "tok_s_max": max(tps), "tok_s_per_round": tps,
+            "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
+            "ttft_samples": len(ttft),
+            "ttft_p50_ms_per_round": [percentile(r["ttft_s"], 50) * 1e3 for r in rounds],
+            "errors": sum(len(r["errors"]) for r in rounds),
+            "short_requests": sum(r["short_requests"] for r in rounds),
+        }
+    if "B" in summary:
+        for s in summary:
+            summary[s]["ratio_to_B"] = summary[s]["tok_s_median"] / summary["B"]["tok_s_median"]
+    hop = {}
+    for key in ("hop_overhead_s", "proxy_http_s", "router_internal_s", "prefill_engine_s", "decode_engine_first_s",
+                "client_ttft_s", "router_ttft_s"):
+        xs = [h[key] for h in data["hop"] if h.get(key) is not None]
+        if xs:
+            hop[key] = {"p50_ms": percentile(xs, 50) * 1e3, "p99_ms": percentile(xs, 99) * 1e3,
+                        "min_ms": min(xs) * 1e3, "max_ms": max(xs) * 1e3, "n": len(xs)}
+    summary["hop"] = hop
+    return summary
+
+
+def markdown(summary: dict, systems: list[str]) -> str:
+    lines = ["| system | output tok/s, median (min–max) | TTFT p50 | TTFT p99 | ratio to B |",
+             "| --- | --- | --- | --- | --- |"]
+    for s in systems:
+        if s not in summary:
+            continue
+        x = summary[s]
+        ratio = f"{x['ratio_to_B']:.2f}×" if "ratio_to_B" in x else "—"
+        lines.append(f"| {x['label']} | {x['tok_s_median']:.0f} ({x['tok_s_min']:.0f}–{x['tok_s_max']:.0f}) | "
+                     f"{x['ttft_p50_ms']:.0f} ms | {x['ttft_p99_ms']:.0f} ms | {ratio} |")
+    hop = summary.get("hop") or {}
+    if hop:
+        names = {"hop_overhead_s": "hop overhead = client TTFT − (prefill_engine_s + decode_engine_first_s)",
+                 "proxy_http_s": "proxy + HTTP = client TTFT − router ttft_s",
+                 "router_internal_s": "inside the router = router ttft_s − (prefill_engine_s + decode_engine_first_s)",
+                 "prefill_engine_s": "prefill_engine_s (engine side)",
+                 "decode_engine_first_s": "decode_engine_first_s (engine side, includes the NIXL pull)",
+                 "client_ttft_s": "client TTFT (A, joined records)"}
+        lines += ["", "| A, per request (router log joined by id) | p50 | p99 | n |", "| --- | --- | --- | --- |"]
+        for k, name in names.items():
+            if k in hop:
+                lines.append(f"| {name} | {hop[k]['p50_ms']:.1f} ms | {hop[k]['p99_ms']:.1f} ms | {hop[k]['n']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "deployments" / "bench-1p1d.yaml"))
+    ap.add_argument("--systems", default="A,B,C", help="comma-separated subset of A,B,C, in round order")
+    ap.add_argument("--mode", choices=("shipped", "direct"), default="shipped",
+                    help="direct: start Ray with Ray Serve LLM's direct streaming + HA proxy env vars")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--pause", type=float, default=1.0, help="seconds of idle before each round")
+    ap.add_argument("--round-timeout", type=float, default=300.0)
+    ap.add_argument("--request-timeout", type=float, default=240.0)
+    ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--json", help="write every round, request-log join and the summary here")
+    args = ap.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not set(systems) <= {"A", "B", "C"} or not systems:
+        ap.error("--systems must be a subset of A,B,C")
+    if args.rounds < 1 or args.streams < 1 or args.tokens < 1:
+        ap.error("--rounds, --streams and --tokens must be positive")
+    suffix = " [direct-streaming + HA proxy cluster]" if args.mode == "direct" else ""
+    labels = {"A": "A: our graph (Serve, router ingress)" + suffix,
+              "B": "B: same engines in-process, no HTTP (limit)",
+              "C": ("C: Ray Serve LLM P/D, direct streaming" if args.mode == "direct"
+                    else "C: Ray Serve LLM P/D, as shipped")}
+
+    os.environ.update(OFFLINE_ENV)  # nothing may leave the machine; the model is local
+    if args.mode == "direct":
+        os.environ.update(DIRECT_ENV)  # read by `ray start` (LocalStack) and the app builder
+    run_dir = Path(os.environ.get("DISAGG_RUN_DIR", os.getcwd()))
+    os.environ["DISAGG_RUN_DIR"] = str(run_dir)
+
+    from disagg.graph.launch import LocalStack, engine_processes, ray_running
+
+    stack = LocalStack(args.config, log=lambda m: log(f"stack: {m}"), ready_timeout_s=args.start_timeout)
+    request_log = stack.apps[0][1].router.request_log
+    args.request_log = run_dir / request_log if request_log else None
+    if "A" in systems and args.request_log is None:
+        ap.error("system A needs router.request_log in the config")
+    if engine_processes():
+        log(f"vLLM engine processes are already running ({engine_processes()}); refusing to start")
+        return 2
+    if ray_running():  # LocalStack would reuse it, and its env (mode) would not be ours
+        log("a Ray cluster is already running on 127.0.0.1:6379; refusing to start")
+        return 2
+
+    started = time.time()
+    data: dict[str, Any] = {}
+    try:
+        stack.start()  # A's app; C joins the same cluster; B needs no Ray at all
+        if "C" in systems:
+            from disagg.graph.tiny_model import build_tiny_model
+
+            deploy_raylm(str(build_tiny_model()), args.start_timeout)
+        data = asyncio.run(bench(args, systems, labels))
+    finally:
+        log("stopping: serve shutdown (both apps), engines, ray stop ...")
+        stack.stop()
+        left = engine_processes()
+        log(f"stopped; engine processes left: {left or 'none'}")
+
+    summary = summarize(data, systems, labels)
+    table = markdown(summary, systems)
+    print("\n" + table + "\n", flush=True)
+    if args.json:
+        out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+               "command": " ".join([sys.executable, *sys.argv]), "started": started,
+               "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+               "summary": summary, "table": table, **data}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
