@@ -18,6 +18,7 @@ from typing import Sequence
 
 from disagg.core.cost_model import CostModelError, load_profile
 from disagg.core.policies import PolicyError, known_policies, policy_class
+from disagg.core.types import SloClass
 from disagg.sim.simulator import Topology
 from disagg.sim.traces import TraceError, read_trace, trace_stats
 
@@ -199,6 +200,49 @@ def cmd_study(args) -> int:
     return studies.main(args)
 
 
+def cmd_calibrate(args) -> int:
+    import asyncio
+
+    from disagg.calibration.fit import CalibrationError, fit_cost_model, held_out_error
+    from disagg.calibration.measure import Calibrator, Plan
+    from disagg.graph.config import ConfigError, load_serve_config
+
+    try:
+        (_, cfg), *_ = load_serve_config(args.config)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    out = Path(args.out)
+    plan = Plan.for_context(cfg.model.max_model_len, cfg.engine.max_num_seqs, args.quick)
+    bar = Progress(plan.steps(), "calibrating")
+    print(f"calibrating {cfg.model.source} on {cfg.engine.device} ({'quick' if args.quick else 'full'}): "
+          f"prompts {plan.prefill_lengths} ×{plan.repeats}, concurrency {plan.concurrencies}", file=sys.stderr)
+    try:
+        result = asyncio.run(Calibrator(cfg, seed=args.seed).run(plan, bar))
+        cm, report = fit_cost_model(result.measurements, name=args.name or f"calibrated-{cfg.model.served_name}")
+        held = held_out_error(cm, result.held_out_prefill, result.held_out_decode)
+    except CalibrationError as e:
+        raise UsageError(f"calibration failed, nothing written: {e}") from None
+    cm.save(out)
+    print(fmt_table([{"fit": k, **fit} for k, fit in report.as_dict().items()],
+                    [("fit", "fit", "s"), ("slope", "slope", ".3g"), ("intercept", "intercept s", ".3g"),
+                     ("r2", "R²", ".4f"), ("n", "points", "d"), ("residual_p50", "|resid| p50", ".1%"),
+                     ("residual_p90", "|resid| p90", ".1%")]))
+    e = cm.engine
+    print(f"\nτ_pre {e.prefill_token_s * 1e6:.2f} µs/token, step base {e.step_base_s * 1e3:.3f} ms, "
+          f"τ_seq {e.decode_seq_s * 1e6:.1f} µs/sequence, KV {e.kv_capacity_tokens} tokens, "
+          f"transfer {cm.transfer.latency_s * 1e3:.2f} ms + {cm.transfer.tokens_per_s:,.0f} tokens/s")
+    t, l = cm.slo[SloClass.TIGHT], cm.slo[SloClass.LOOSE]
+    print(f"SLO tight TTFT {t.ttft_s * 1e3:.0f} ms / TPOT {t.tpot_s * 1e3:.1f} ms; "
+          f"loose TTFT {l.ttft_s * 1e3:.0f} ms / TPOT {l.tpot_s * 1e3:.1f} ms")
+    print(f"held-out ({held['n']} requests not in the fit): median relative error {held['median_rel_error']:.1%}, "
+          f"p90 {held['p90_rel_error']:.1%}")
+    print(f"wrote {out} in {result.seconds:.0f} s")
+    if args.report:
+        write_json_atomic(Path(args.report), {"fit": report.as_dict(), "held_out": held, "seconds": result.seconds,
+                                              "cost_model": cm.to_dict()})
+    return 0
+
+
 def cmd_check_config(args) -> int:
     from disagg.graph.config import ConfigError, load_serve_config
 
@@ -256,6 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(study)
     study.set_defaults(func=cmd_study)
+
+    cal = sub.add_parser("calibrate", help="measure this hardware with real engines and write a cost model")
+    cal.add_argument("--config", required=True, help="the Serve config whose engine settings to calibrate")
+    cal.add_argument("--out", required=True, help="cost-model YAML to write (atomically, only if the fit is sane)")
+    cal.add_argument("--quick", action="store_true", help="fewer points (CI); seconds instead of a minute")
+    cal.add_argument("--name", help="name recorded in the file")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--report", help="also write the fit report as JSON")
+    cal.set_defaults(func=cmd_calibrate)
 
     cc = sub.add_parser("check-config", help="validate a Serve config file of this app (file:line: field errors)")
     cc.add_argument("config")

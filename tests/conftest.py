@@ -23,3 +23,16 @@ def stack(tmp_path_factory):
     with LocalStack(ROOT / "deployments" / "local.yaml", log=lambda m: print(f"[stack] {m}", flush=True)) as s:
         s.run_dir = run_dir
         yield s
+
+
+@pytest.fixture(scope="session")
+def calibrated_file(tmp_path_factory):
+    """`disagg calibrate --quick` on the CPU profile, end to end (it starts its own two engines)."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("calibration")
+    cmd = [sys.executable, "-m", "disagg.cli", "calibrate", "--config", str(ROOT / "deployments" / "local.yaml"),
+           "--out", str(out / "cpu-calibrated.yaml"), "--report", str(out / "report.json"), "--quick"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return SimpleNamespace(path=out / "cpu-calibrated.yaml", report=out / "report.json", stdout=proc.stdout)

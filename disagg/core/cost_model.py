@@ -7,9 +7,10 @@ The engine model is linear in the work of one continuous-batching step::
 
     step_s = step_base_s + prefill_token_s * prefill_tokens + decode_seq_s * decode_seqs
 
-so a lone prefill of p tokens takes ``step_base_s + p * prefill_token_s`` (τ_pre is the slope, the
-step base the intercept) and one decode token at concurrency b takes ``step_base_s + b * decode_seq_s``
-(τ_dec(b)). KV transfer between a prefill and a decode instance takes
+so a lone prefill of p tokens takes ``prefill_overhead_s + step_base_s + p * prefill_token_s`` (τ_pre
+is the slope; the overhead is what a finished prefill costs beyond its steps: scheduling, KV
+registration for the hand-off, output handling) and one decode token at concurrency b takes
+``step_base_s + b * decode_seq_s`` (τ_dec(b)). KV transfer between a prefill and a decode instance takes
 ``latency_s + tokens / tokens_per_s``. Constants can differ per instance (heterogeneous fleets) and
 per (prefill, decode) pair (for example same node vs across nodes); the defaults apply otherwise.
 
@@ -45,6 +46,8 @@ class EngineConstants(_Strict):
     step_base_s: float = Field(ge=0.0, le=1.0, description="fixed cost of one engine step (s)")
     prefill_token_s: float = Field(gt=0.0, le=0.01, description="τ_pre: seconds per prompt token")
     decode_seq_s: float = Field(ge=0.0, le=1.0, description="added step time per decoding sequence (s)")
+    prefill_overhead_s: float = Field(default=0.0, ge=0.0, le=1.0,
+                                      description="fixed cost per finished prefill beyond its steps (s)")
     kv_capacity_tokens: int = Field(gt=0, description="KV cache capacity in tokens")
     block_size: int = Field(default=16, gt=0, description="KV block size in tokens")
     max_num_seqs: int = Field(default=256, gt=0, description="cap on running sequences")
@@ -66,7 +69,7 @@ class EngineConstants(_Strict):
     def prefill_s(self, prompt_tokens: int) -> float:
         """A lone prefill, chunked by the step token budget (each chunk pays the step base)."""
         chunks = -(-prompt_tokens // self.max_batched_tokens)
-        return chunks * self.step_base_s + self.prefill_token_s * prompt_tokens
+        return self.prefill_overhead_s + chunks * self.step_base_s + self.prefill_token_s * prompt_tokens
 
     def decode_token_s(self, concurrency: int) -> float:
         """τ_dec at a given number of co-running sequences (≥ 1)."""

@@ -8,7 +8,8 @@ What is modelled (vLLM v1 scheduler semantics):
 - one step at a time; each step decodes one token for every running sequence, then fills the rest
   of the token budget (`max_batched_tokens`) with prefill chunks — chunked prefill — first for
   requests already prefilling, then by admitting waiting requests in FCFS order;
-- step time from the calibrated cost model: base + τ_pre·prefill tokens + per-sequence decode cost;
+- step time from the calibrated cost model: base + τ_pre·prefill tokens + per-sequence decode cost,
+  plus the per-prefill overhead for each prefill the step finishes;
 - at most `max_num_seqs` running sequences;
 - paged KV: a sequence holds ceil(tokens / block_size) blocks; blocks are allocated as chunks and
   tokens are written; a waiting request is admitted only when blocks for its first chunk are free,
@@ -259,7 +260,8 @@ class EngineModel:
         self._chunks = chunks
         if chunks:
             self._k = 1
-            self._dur = self.c.step_s(sum(c for _, c in chunks), n)
+            finishing = sum(1 for job, c in chunks if job.computed + c >= job.prefill_goal)
+            self._dur = self.c.step_s(sum(c for _, c in chunks), n) + self.c.prefill_overhead_s * finishing
         elif n:
             while self._fin and self._fin[0][3].epoch != self._fin[0][2]:
                 heapq.heappop(self._fin)

@@ -118,6 +118,9 @@ class AppConfig(_Strict):
             build_policy(self.router.policy, cm, self.router.policy_params)
         except (PolicyError, CostModelError) as e:
             raise ValueError(f"router: {e}") from None
+        if cm.calibrated and cm.model and cm.model != self.model.source:
+            raise ValueError(f"router.cost_model {self.router.cost_model!r} was calibrated for model {cm.model!r}; "
+                             f"this config serves {self.model.source!r}")
         if build_policy(self.router.policy, cm, self.router.policy_params).simulator_only:
             raise ValueError(f"router.policy {self.router.policy!r} runs in the simulator only")
         return self

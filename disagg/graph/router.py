@@ -262,6 +262,9 @@ class Router:
         try:
             source = json.loads(await request.body())["cost_model"]
             cm = load_profile(source)
+            if cm.calibrated and cm.model and cm.model != self.cfg.model.source:
+                raise CostModelError(f"{source} was calibrated for model {cm.model!r}; this app serves "
+                                     f"{self.cfg.model.source!r}")
             policy = build_policy(self.policy.name, cm, self.policy_params)
         except (json.JSONDecodeError, KeyError, TypeError):
             return _error(ApiError('body must be {"cost_model": <profile name or path>}', param="cost_model"))

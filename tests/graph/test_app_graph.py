@@ -79,3 +79,14 @@ def test_config_file_errors_name_file_and_line(tmp_path):
         load_serve_config(bad)
     line = next(i for i, l in enumerate(bad.read_text().splitlines(), 1) if "max_num_seqs" in l)
     assert str(e.value).startswith(f"{bad}:{line}: field 'applications.0.args.engine.max_num_seqs'")
+
+
+def test_a_cost_model_calibrated_for_another_model_is_refused(tmp_path):
+    from disagg.core.cost_model import load_profile
+
+    cm = load_profile("cpu-tiny").model_copy(update={"calibrated": True, "model": "Qwen/Qwen2.5-3B-Instruct"})
+    cm.save(tmp_path / "cm.yaml")
+    args = _args("local.yaml")
+    args["router"]["cost_model"] = str(tmp_path / "cm.yaml")
+    with pytest.raises(ConfigError, match="calibrated for model 'Qwen/Qwen2.5-3B-Instruct'.*'tiny:tiny'"):
+        build_app(args)

@@ -210,3 +210,27 @@ def test_request_log_records_every_decision(client, stack):
     assert rec["decision"]["policy"] == "marginal_cost" and rec["output_tokens"] == 4
     assert rec["decision"]["decode_cost"]["own_work_s"] > 0 and rec["ttft_s"] > 0
     assert rec["prefill"] == route(r)["served_prefill"]
+
+
+def test_router_reloads_a_calibrated_cost_model_without_restart(client, calibrated_file, tmp_path):
+    from disagg.core.cost_model import CostModel
+
+    set_policy(client, "marginal_cost")
+    r = client.post("/admin/cost_model", json={"cost_model": str(calibrated_file.path)})
+    assert r.status_code == 200 and r.json()["calibrated"] is True
+    assert state(client)["cost_model"] == CostModel.load(calibrated_file.path).name
+    resp = complete(client, "priced with calibrated constants", max_tokens=8, ignore_eos=True)
+    cm = CostModel.load(calibrated_file.path)
+    d_work = float(route(resp)["d_work"])
+    # 8 tokens at the calibrated τ_dec, inflated by KV pressure (≥ 1×) and the SLO weight (1 for loose)
+    assert d_work >= 8 * cm.engine.decode_token_s(1) * 0.999
+
+    other = cm.model_copy(update={"model": "some/other-model"})
+    other.save(tmp_path / "other.yaml")
+    r = client.post("/admin/cost_model", json={"cost_model": str(tmp_path / "other.yaml")})
+    assert r.status_code == 400 and "some/other-model" in r.json()["error"]["message"]
+    (tmp_path / "units.yaml").write_text((tmp_path / "other.yaml").read_text().replace(
+        f"decode_seq_s: {cm.engine.decode_seq_s}", "decode_seq_s: 2.5"))
+    r = client.post("/admin/cost_model", json={"cost_model": str(tmp_path / "units.yaml")})
+    assert r.status_code == 400 and "decode" in r.json()["error"]["message"]
+    assert state(client)["cost_model"] == cm.name  # the refused files changed nothing

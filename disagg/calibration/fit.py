@@ -1,0 +1,144 @@
+"""Fit the cost model's constants from measurements (pure: numpy only).
+
+Inputs are what `measure` records on live engines:
+- prefill latency of lone prompts over several lengths → τ_pre (slope) and an intercept;
+- decode step time (median gap between streamed tokens) at several concurrencies → the step base
+  and the per-sequence cost, i.e. τ_dec(b) = base + b·τ_seq;
+- KV hand-off time over prompt lengths (decode first token with remote KV minus one decode step)
+  → transfer latency and bandwidth;
+- the engine's KV capacity in tokens.
+
+Fits that cannot describe hardware are refused with the numbers that show it (a prefill slope
+≤ 0, a decode step that falls with concurrency, a transfer slope ≤ 0, too few points), and no
+file is written.
+
+SLO rule (documented, derived from the same measurements):
+- tight TTFT = 2 × (prefill of a 1,024-token prompt + its transfer + one decode step at batch 1);
+- tight TPOT = 2 × the decode step at the largest measured concurrency;
+- loose = 3 × tight, as in the calibration paper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from disagg.core.cost_model import CostModel, EngineConstants, SloTarget, TransferConstants
+from disagg.core.types import SloClass
+
+REFERENCE_PROMPT = 1024
+SLO_HEADROOM = 2.0
+LOOSE_FACTOR = 3.0
+
+
+class CalibrationError(ValueError):
+    """Measurements that cannot be fitted into physical constants."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    x: float  # prompt tokens, concurrency or transferred tokens
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class LinearFit:
+    slope: float
+    intercept: float
+    r2: float
+    n: int
+    residual_p50: float  # relative |residual| / measured
+    residual_p90: float
+
+    def predict(self, x: float) -> float:
+        return self.intercept + self.slope * x
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def fit_linear(samples: list[Sample], what: str, min_points: int = 3) -> LinearFit:
+    xs = np.array([s.x for s in samples], dtype=float)
+    ys = np.array([s.seconds for s in samples], dtype=float)
+    if len(samples) < min_points or len(set(xs.tolist())) < 2:
+        raise CalibrationError(f"{what}: need at least {min_points} points at 2+ distinct x values, "
+                               f"got {len(samples)} at {sorted(set(xs.tolist()))}")
+    if not np.all(np.isfinite(ys)) or np.any(ys <= 0):
+        raise CalibrationError(f"{what}: measured times must be positive and finite, got {ys.tolist()}")
+    slope, intercept = np.polyfit(xs, ys, 1)
+    pred = intercept + slope * xs
+    ss_res = float(np.sum((ys - pred) ** 2))
+    ss_tot = float(np.sum((ys - ys.mean()) ** 2))
+    rel = np.abs(ys - pred) / ys
+    return LinearFit(float(slope), float(intercept), 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0, len(samples),
+                     float(np.percentile(rel, 50)), float(np.percentile(rel, 90)))
+
+
+@dataclass(slots=True)
+class Measurements:
+    prefill: list[Sample]  # x = prompt tokens
+    decode: list[Sample]  # x = concurrency, seconds = step time
+    transfer: list[Sample]  # x = prompt tokens moved
+    kv_capacity_tokens: int
+    model: str
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 2048
+
+
+@dataclass(slots=True)
+class FitReport:
+    prefill: LinearFit
+    decode: LinearFit
+    transfer: LinearFit
+
+    def as_dict(self) -> dict:
+        return {"prefill": self.prefill.as_dict(), "decode": self.decode.as_dict(), "transfer": self.transfer.as_dict()}
+
+
+def fit_cost_model(m: Measurements, name: str) -> tuple[CostModel, FitReport]:
+    prefill = fit_linear(m.prefill, "prefill latency vs prompt tokens")
+    decode = fit_linear(m.decode, "decode step time vs concurrency")
+    transfer = fit_linear(m.transfer, "KV transfer time vs tokens")
+    if prefill.slope <= 0:
+        raise CalibrationError(f"prefill latency does not grow with the prompt (slope {prefill.slope:.3g} s/token): "
+                               "the prompts were too short to measure, or cached")
+    # Tolerate measurement noise in a flat curve, refuse a clearly falling one.
+    spread = max(s.x for s in m.decode) - min(s.x for s in m.decode)
+    if decode.slope * spread < -0.1 * max(decode.intercept, 1e-9):
+        raise CalibrationError(f"decode step time falls with concurrency (slope {decode.slope:.3g} s per sequence)")
+    if transfer.slope <= 0:
+        raise CalibrationError(f"KV transfer time does not grow with tokens (slope {transfer.slope:.3g} s/token)")
+    if m.kv_capacity_tokens <= 0:
+        raise CalibrationError(f"engine KV capacity must be positive, got {m.kv_capacity_tokens}")
+    step_base = max(decode.intercept, 1e-6)
+    engine = EngineConstants(
+        step_base_s=step_base,
+        prefill_token_s=prefill.slope,
+        # what a lone prefill costs beyond one step: its intercept above the decode step's
+        prefill_overhead_s=min(max(prefill.intercept - step_base, 0.0), 1.0),
+        decode_seq_s=max(decode.slope, 0.0),
+        kv_capacity_tokens=m.kv_capacity_tokens,
+        block_size=m.block_size,
+        max_num_seqs=m.max_num_seqs,
+        max_batched_tokens=m.max_batched_tokens,
+    )
+    xfer = TransferConstants(latency_s=max(transfer.intercept, 0.0), tokens_per_s=1.0 / transfer.slope)
+    biggest = max(s.x for s in m.decode)
+    ttft = SLO_HEADROOM * (engine.prefill_s(REFERENCE_PROMPT) + xfer.transfer_s(REFERENCE_PROMPT)
+                           + engine.decode_token_s(1))
+    tpot = SLO_HEADROOM * engine.decode_token_s(int(biggest))
+    slo = {SloClass.TIGHT: SloTarget(ttft_s=ttft, tpot_s=tpot),
+           SloClass.LOOSE: SloTarget(ttft_s=LOOSE_FACTOR * ttft, tpot_s=LOOSE_FACTOR * tpot)}
+    cm = CostModel(name=name, model=m.model, engine=engine, transfer=xfer, slo=slo, calibrated=True)
+    return cm, FitReport(prefill, decode, transfer)
+
+
+def held_out_error(cm: CostModel, prefill: list[Sample], decode: list[Sample]) -> dict:
+    """Predicted vs measured on samples the fit did not see: median and p90 relative error."""
+    rel = [abs(cm.engine.prefill_s(int(s.x)) - s.seconds) / s.seconds for s in prefill]
+    rel += [abs(cm.engine.decode_token_s(int(s.x)) - s.seconds) / s.seconds for s in decode]
+    if not rel:
+        raise CalibrationError("no held-out samples")
+    return {"n": len(rel), "median_rel_error": float(np.median(rel)), "p90_rel_error": float(np.percentile(rel, 90))}

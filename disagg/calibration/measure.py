@@ -1,0 +1,166 @@
+"""Measure the target hardware with real engines: the inputs of `fit`.
+
+Starts one prefill and one decode engine from the deployment config's engine settings (the same
+`EngineSpec` the Serve replicas build), in this process, with NIXL between them, and measures:
+- prefill latency of lone prompts over several lengths (random token ids: no prefix-cache hits),
+  each length once unmeasured first (an idle engine's wake-up is not prefill work); each
+  prefill's KV is then handed to the decode engine, which gives
+- the KV hand-off time: the decode engine's first-token time with remote KV minus one decode step;
+- decode step time at several concurrencies: the median gap between streamed tokens once every
+  stream of the batch is running;
+- the engine's KV capacity.
+A second, interleaved set of prefill lengths and concurrencies is kept out of the fit for the
+held-out check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from disagg.calibration.fit import Measurements, Sample
+from disagg.core.types import Role
+from disagg.graph.config import AppConfig
+from disagg.graph.engine import VllmEngine
+
+GREEDY = {"temperature": 0.0}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    prefill_lengths: tuple[int, ...]
+    held_out_lengths: tuple[int, ...]
+    concurrencies: tuple[int, ...]
+    held_out_concurrencies: tuple[int, ...]
+    repeats: int
+    decode_tokens: int
+
+    @classmethod
+    def for_context(cls, max_model_len: int, max_num_seqs: int, quick: bool) -> "Plan":
+        top = min(max_model_len - 64, 1536)
+        lengths = tuple(sorted({max(16, int(top * f)) for f in (0.05, 0.15, 0.3, 0.5, 0.75, 1.0)}))
+        held = tuple(sorted({max(16, int(top * f)) for f in (0.1, 0.4, 0.9)}))
+        conc = tuple(c for c in (1, 2, 4, 8, 16, 32) if c <= max_num_seqs)
+        held_c = tuple(c for c in (3, 12) if c <= max_num_seqs)
+        if quick:
+            return cls(lengths[::2] + lengths[-1:], held[:2], tuple(c for c in (1, 4, 16) if c <= max_num_seqs),
+                       held_c[:1], 2, 32)
+        return cls(lengths, held, conc, held_c, 3, 48)
+
+    def steps(self) -> int:
+        return (len(self.prefill_lengths) * self.repeats + len(self.held_out_lengths)
+                + len(self.concurrencies) + len(self.held_out_concurrencies))
+
+
+@dataclass(slots=True)
+class Result:
+    measurements: Measurements
+    held_out_prefill: list[Sample]
+    held_out_decode: list[Sample]
+    seconds: float
+
+
+class Calibrator:
+    def __init__(self, cfg: AppConfig, seed: int = 0) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(seed)
+        self.vocab = 1000
+        self._n = 0
+
+    def _ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(10, self.vocab) for _ in range(n)]
+
+    def _rid(self, tag: str) -> str:
+        self._n += 1
+        return f"calib-{tag}-{self._n}"
+
+    async def run(self, plan: Plan, progress: Callable[[int], None] = lambda n: None) -> Result:
+        from disagg.graph.engine_server import engine_spec, free_port
+
+        t0 = time.perf_counter()
+        host = "127.0.0.1"
+        P = VllmEngine(engine_spec(self.cfg, Role.PREFILL, host, free_port(host)))
+        D = VllmEngine(engine_spec(self.cfg, Role.DECODE, host, free_port(host)))
+        started = []
+        try:
+            for e in (P, D):
+                await e.start()
+                started.append(e)
+            self.vocab = min(len(D.tokenizer), 50_000)
+            await self._decode_step(D, 1, 8)  # wake-up, unmeasured
+            step1 = await self._decode_step(D, 1, plan.decode_tokens)
+            prefill, transfer = [], []
+            for p in plan.prefill_lengths:
+                # An engine idle for a moment pays a wake-up on its next request (tens of ms on a
+                # small CPU): one unmeasured request first, so the fit sees the engine at work.
+                await self._prefill_and_handoff(P, D, p, step1)
+                for _ in range(plan.repeats):
+                    s, x = await self._prefill_and_handoff(P, D, p, step1)
+                    prefill.append(s)
+                    transfer.append(x)
+                    progress(1)
+            held_prefill = []
+            for p in plan.held_out_lengths:
+                await self._prefill_and_handoff(P, D, p, step1)
+                s, _ = await self._prefill_and_handoff(P, D, p, step1)
+                held_prefill.append(s)
+                progress(1)
+            decode = [Sample(1, step1)]
+            for b in plan.concurrencies:
+                if b != 1:
+                    decode.append(Sample(b, await self._decode_step(D, b, plan.decode_tokens)))
+                progress(1)
+            held_decode = []
+            for b in plan.held_out_concurrencies:
+                held_decode.append(Sample(b, await self._decode_step(D, b, plan.decode_tokens)))
+                progress(1)
+            state = await D.state()
+            e = self.cfg.engine
+            m = Measurements(prefill=prefill, decode=decode, transfer=transfer,
+                             kv_capacity_tokens=state.kv_capacity_tokens, model=self.cfg.model.source,
+                             block_size=e.block_size or 16, max_num_seqs=e.max_num_seqs,
+                             max_batched_tokens=e.max_num_batched_tokens)
+            return Result(m, held_prefill, held_decode, time.perf_counter() - t0)
+        finally:
+            for e in started:
+                await e.shutdown()
+
+    async def _prefill_and_handoff(self, P: VllmEngine, D: VllmEngine, p: int, step1: float) -> tuple[Sample, Sample]:
+        ids = self._ids(p)
+        rid = self._rid("p")
+        r = await P.prefill(rid, ids, {"max_tokens": 1, **GREEDY})
+        t = time.perf_counter()
+        async for _ in D.decode(rid, ids, {"max_tokens": 1, **GREEDY}, r.kv_transfer_params):
+            break
+        first = time.perf_counter() - t
+        # the decode engine's first token = pulling the KV + one step over the last prompt token
+        return Sample(p, r.engine_ttft_s), Sample(p, max(first - step1, 1e-6))
+
+    async def _decode_step(self, D: VllmEngine, batch: int, tokens: int) -> float:
+        """Median inter-token gap while all `batch` streams run together."""
+        gaps: list[float] = []
+        started = 0
+        all_running = asyncio.Event()
+
+        async def one() -> None:
+            nonlocal started
+            last = None
+            async for chunk in D.decode(self._rid("d"), self._ids(16), {"max_tokens": tokens, "ignore_eos": True,
+                                                                       **GREEDY}, None):
+                now = time.perf_counter()
+                if last is None:
+                    started += 1
+                    if started == batch:
+                        all_running.set()
+                elif all_running.is_set():
+                    gaps.append((now - last) / max(1, len(chunk.token_ids)))
+                last = now
+
+        await asyncio.gather(*(one() for _ in range(batch)))
+        if not gaps:
+            raise RuntimeError(f"no decode steps observed at concurrency {batch}")
+        return statistics.median(gaps)

@@ -1,0 +1,21 @@
+"""`disagg calibrate --quick` against real engines on this machine, end to end."""
+
+import json
+
+import pytest
+
+from disagg.core.cost_model import CostModel
+
+pytestmark = pytest.mark.stack
+
+
+def test_calibrate_writes_a_sane_cost_model(calibrated_file):
+    cm = CostModel.load(calibrated_file.path)
+    assert cm.calibrated and cm.model == "tiny:tiny"
+    e = cm.engine
+    assert 0 < e.prefill_token_s < 1e-3 and 0 < e.step_base_s < 0.1 and e.kv_capacity_tokens > 10_000
+    assert cm.transfer.tokens_per_s > 0
+    report = json.loads(calibrated_file.report.read_text())
+    assert set(report["fit"]) == {"prefill", "decode", "transfer"}
+    assert report["held_out"]["n"] >= 2 and report["held_out"]["median_rel_error"] >= 0
+    assert "held-out" in calibrated_file.stdout and "R²" in calibrated_file.stdout
