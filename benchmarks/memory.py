@@ -232,6 +232,69 @@ def router_sample(pid: int, settle_s: float) -> dict[str, Any]:
     return {"rss": int(statistics.median(rss)), "pss": int(statistics.median(pss))}
 
 
+def descendants(root: int) -> set[int]:
+    parents = ppid_map()
+    children: dict[int, list[int]] = {}
+    for pid, pp in parents.items():
+        children.setdefault(pp, []).append(pid)
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        p = stack.pop()
+        if p not in seen:
+            seen.add(p)
+            stack.extend(children.get(p, ()))
+    return seen
+
+
+def safe_stop(stack, log=log, wait_foreign_s: float = 600.0) -> None:
+    """LocalStack.stop, unless vLLM engines this run did not start are alive.
+
+    LocalStack.stop SIGKILLs *every* vLLM engine process on the machine that outlives its wait,
+    including another session's. So: wait (bounded) for foreign engines to end; if some remain,
+    tear down only ours (serve shutdown, wait for our engines, kill only ours, ray stop).
+    """
+    import signal
+    import subprocess
+
+    from disagg.graph import launch
+
+    def ours() -> set[int]:
+        try:
+            session, node_id = ray_session()
+            mine = set(cluster_pids(session, node_id, set()))
+        except OSError:
+            mine = set()
+        return mine | descendants(os.getpid())
+
+    deadline = time.monotonic() + wait_foreign_s
+    while True:
+        foreign = [p for p in launch.engine_processes() if p not in ours()]
+        if not foreign or time.monotonic() > deadline:
+            break
+        log(f"vLLM engine processes of another run are alive ({foreign}); waiting before teardown")
+        time.sleep(10.0)
+    if not foreign:
+        stack.stop()
+        return
+    log(f"foreign engines {foreign} still alive: tearing down only this run's processes")
+    mine = [p for p in launch.engine_processes() if p in ours()]
+    if launch.ray_running():
+        subprocess.run([sys.executable, "-c", launch._SERVE_SHUTDOWN], env=launch._env(), capture_output=True,
+                       timeout=180)
+    end = time.monotonic() + 120
+    while any(os.path.exists(f"/proc/{p}") for p in mine) and time.monotonic() < end:
+        time.sleep(1.0)
+    for p in mine:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if stack.started_ray:
+        subprocess.run([launch._bin("ray"), "stop", "--force"], env=launch._env(), capture_output=True, timeout=180)
+        stack.started_ray = False
+
+
 # ------------------------------------------------------------------------------------------------
 # Load
 # ------------------------------------------------------------------------------------------------
@@ -342,7 +405,7 @@ def main(argv=None) -> int:
         out["cluster_after_load"] = cluster_memory(me)
     finally:
         log("stopping ...")
-        stack.stop()
+        safe_stop(stack)
         out["engine_processes_left"] = engine_processes()
         log(f"stopped; engine processes left: {out['engine_processes_left'] or 'none'}")
 

@@ -219,6 +219,8 @@ print("deployed", flush=True)
 
 
 def deploy_raylm(model_path: str, timeout_s: float) -> None:
+    from disagg.graph.launch import RAY_ENV  # loopback only: without it ray.init hangs on the eth0 address
+
     cfg = raylm_llm_config(model_path)
     pd = {"prefill_config": cfg, "decode_config": json.loads(json.dumps(cfg)),
           # Serve's default reservation of 1 CPU for the ingress replica does not fit next to our
@@ -226,7 +228,7 @@ def deploy_raylm(model_path: str, timeout_s: float) -> None:
           "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.1}}}
     log("deploying Ray Serve LLM's P/D app on /raylm ...")
     r = subprocess.run([sys.executable, "-c", _DEPLOY_RAYLM, json.dumps({"pd": pd, "prefix": RAYLM_PREFIX})],
-                       capture_output=True, text=True, timeout=timeout_s, env={**os.environ})
+                       capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **RAY_ENV})
     if r.returncode != 0:
         raise RuntimeError(f"deploying Ray Serve LLM failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
     deadline = time.monotonic() + timeout_s
@@ -280,6 +282,25 @@ class RequestLogTail:
             time.sleep(0.2)
 
 
+def join_log(tail: RequestLogTail, res: list[Result], index: int, into: list[dict]) -> int:
+    """Join A's client-side results with the router's request log records (by response id)."""
+    ids = {r.request_id for r in res if r.request_id}
+    recs = tail.records(ids)
+    for r in res:
+        rec = recs.get(r.request_id)
+        if rec is None or r.ttft_s is None or r.error:
+            continue
+        pe, de, rt = rec.get("prefill_engine_s"), rec.get("decode_engine_first_s"), rec.get("ttft_s")
+        into.append({
+            "round": index, "id": r.request_id, "client_ttft_s": r.ttft_s, "router_ttft_s": rt,
+            "prefill_engine_s": pe, "decode_engine_first_s": de,
+            "hop_overhead_s": (r.ttft_s - pe - de) if pe is not None and de is not None else None,
+            "proxy_http_s": (r.ttft_s - rt) if rt is not None else None,
+            "router_internal_s": (rt - pe - de) if None not in (rt, pe, de) else None,
+        })
+    return len(recs)
+
+
 async def run_round(system: str, index: int, prompts: list[str], tokens: int, ctx: dict,
                     timeout_s: float) -> tuple[Round, list[Result]]:
     if system == "B":
@@ -305,7 +326,7 @@ async def bench(args, systems: list[str], labels: dict[str, str]) -> dict:
 
     ctx: dict[str, Any] = {}
     engines = []
-    out: dict[str, Any] = {"rounds": [], "hop": []}
+    out: dict[str, Any] = {"rounds": [], "hop": [], "sequential": [], "hop_sequential": []}
     try:
         if "B" in systems:
             from disagg.core.types import Role
@@ -347,24 +368,24 @@ async def bench(args, systems: list[str], labels: dict[str, str]) -> dict:
                 msg = (f"round {i} {labels[s]}: {rnd.tok_s:.0f} tok/s ({rnd.tokens} tokens in {rnd.wall_s:.3f} s), "
                        f"TTFT p50 {percentile(rnd.ttft_s, 50) * 1e3:.0f} ms")
                 if s == "A" and tail:
-                    ids = {r.request_id for r in res if r.request_id}
-                    recs = tail.records(ids)
-                    for r in res:
-                        rec = recs.get(r.request_id)
-                        if rec is None or r.ttft_s is None or r.error:
-                            continue
-                        pe, de, rt = rec.get("prefill_engine_s"), rec.get("decode_engine_first_s"), rec.get("ttft_s")
-                        out["hop"].append({
-                            "round": i, "id": r.request_id, "client_ttft_s": r.ttft_s, "router_ttft_s": rt,
-                            "prefill_engine_s": pe, "decode_engine_first_s": de,
-                            "hop_overhead_s": (r.ttft_s - pe - de) if pe is not None and de is not None else None,
-                            "proxy_http_s": (r.ttft_s - rt) if rt is not None else None,
-                            "router_internal_s": (rt - pe - de) if None not in (rt, pe, de) else None,
-                        })
-                    msg += f", log records {len(recs)}/{len(ids)}"
+                    n_rec = join_log(tail, res, i, out["hop"])
+                    msg += f", log records {n_rec}/{len(res)}"
                 if rnd.errors or rnd.short_requests:
                     msg += f", ERRORS {len(rnd.errors)} short {rnd.short_requests}: {rnd.errors[:1]}"
                 log(msg)
+
+        # Unloaded probes: one request at a time, systems interleaved (TTFT without queueing)
+        for k in range(args.sequential):
+            for s in systems:
+                await asyncio.sleep(0.2)
+                rnd, res = await run_round(s, k, prompts_for_round(f"seq{k}", 1), args.tokens, ctx,
+                                           args.round_timeout)
+                out["sequential"].append({"system": s, "index": k, "ttft_s": rnd.ttft_s, "tok_s": rnd.tok_s,
+                                          "errors": rnd.errors})
+                if s == "A" and tail:
+                    join_log(tail, res, k, out["hop_sequential"])
+        if args.sequential:
+            log(f"{args.sequential} sequential probes per system done")
     finally:
         if "http" in ctx:
             await ctx["http"].aclose()
@@ -396,14 +417,23 @@ def summarize(data: dict, systems: list[str], labels: dict[str, str]) -> dict:
     if "B" in summary:
         for s in summary:
             summary[s]["ratio_to_B"] = summary[s]["tok_s_median"] / summary["B"]["tok_s_median"]
-    hop = {}
-    for key in ("hop_overhead_s", "proxy_http_s", "router_internal_s", "prefill_engine_s", "decode_engine_first_s",
-                "client_ttft_s", "router_ttft_s"):
-        xs = [h[key] for h in data["hop"] if h.get(key) is not None]
+    for name, src in (("hop", "hop"), ("hop_sequential", "hop_sequential")):
+        hop = {}
+        for key in ("hop_overhead_s", "proxy_http_s", "router_internal_s", "prefill_engine_s",
+                    "decode_engine_first_s", "client_ttft_s", "router_ttft_s"):
+            xs = [h[key] for h in data.get(src, []) if h.get(key) is not None]
+            if xs:
+                hop[key] = {"p50_ms": percentile(xs, 50) * 1e3, "p99_ms": percentile(xs, 99) * 1e3,
+                            "min_ms": min(xs) * 1e3, "max_ms": max(xs) * 1e3, "n": len(xs)}
+        summary[name] = hop
+    seq = {}
+    for s in systems:
+        xs = [t for p in data.get("sequential", []) if p["system"] == s for t in p["ttft_s"]]
         if xs:
-            hop[key] = {"p50_ms": percentile(xs, 50) * 1e3, "p99_ms": percentile(xs, 99) * 1e3,
-                        "min_ms": min(xs) * 1e3, "max_ms": max(xs) * 1e3, "n": len(xs)}
-    summary["hop"] = hop
+            seq[s] = {"label": labels[s], "ttft_p50_ms": percentile(xs, 50) * 1e3,
+                      "ttft_p99_ms": percentile(xs, 99) * 1e3, "n": len(xs),
+                      "tok_s_median": statistics.median(p["tok_s"] for p in data["sequential"] if p["system"] == s)}
+    summary["sequential"] = seq
     return summary
 
 
@@ -417,7 +447,23 @@ def markdown(summary: dict, systems: list[str]) -> str:
         ratio = f"{x['ratio_to_B']:.2f}×" if "ratio_to_B" in x else "—"
         lines.append(f"| {x['label']} | {x['tok_s_median']:.0f} ({x['tok_s_min']:.0f}–{x['tok_s_max']:.0f}) | "
                      f"{x['ttft_p50_ms']:.0f} ms | {x['ttft_p99_ms']:.0f} ms | {ratio} |")
-    hop = summary.get("hop") or {}
+    seq = summary.get("sequential") or {}
+    if seq:
+        lines += ["", "| one request at a time (unloaded) | TTFT p50 | TTFT p99 | single-stream tok/s (median) | n |",
+                  "| --- | --- | --- | --- | --- |"]
+        for s in systems:
+            if s in seq:
+                x = seq[s]
+                lines.append(f"| {x['label']} | {x['ttft_p50_ms']:.1f} ms | {x['ttft_p99_ms']:.1f} ms | "
+                             f"{x['tok_s_median']:.0f} | {x['n']} |")
+    for key, title in (("hop", f"A, per request at {{streams}} concurrent streams (router log joined by id)"),
+                       ("hop_sequential", "A, per request, one at a time (router log joined by id)")):
+        lines += _hop_table(summary.get(key) or {}, title)
+    return "\n".join(lines)
+
+
+def _hop_table(hop: dict, title: str) -> list[str]:
+    lines: list[str] = []
     if hop:
         names = {"hop_overhead_s": "hop overhead = client TTFT − (prefill_engine_s + decode_engine_first_s)",
                  "proxy_http_s": "proxy + HTTP = client TTFT − router ttft_s",
@@ -425,11 +471,11 @@ def markdown(summary: dict, systems: list[str]) -> str:
                  "prefill_engine_s": "prefill_engine_s (engine side)",
                  "decode_engine_first_s": "decode_engine_first_s (engine side, includes the NIXL pull)",
                  "client_ttft_s": "client TTFT (A, joined records)"}
-        lines += ["", "| A, per request (router log joined by id) | p50 | p99 | n |", "| --- | --- | --- | --- |"]
+        lines += ["", f"| {title} | p50 | p99 | n |", "| --- | --- | --- | --- |"]
         for k, name in names.items():
             if k in hop:
                 lines.append(f"| {name} | {hop[k]['p50_ms']:.1f} ms | {hop[k]['p99_ms']:.1f} ms | {hop[k]['n']} |")
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv=None) -> int:
@@ -442,6 +488,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--sequential", type=int, default=16,
+                    help="after the rounds: this many single requests per system, one at a time, interleaved")
     ap.add_argument("--pause", type=float, default=1.0, help="seconds of idle before each round")
     ap.add_argument("--round-timeout", type=float, default=300.0)
     ap.add_argument("--request-timeout", type=float, default=240.0)
@@ -490,12 +538,15 @@ def main(argv=None) -> int:
         data = asyncio.run(bench(args, systems, labels))
     finally:
         log("stopping: serve shutdown (both apps), engines, ray stop ...")
-        stack.stop()
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from memory import safe_stop  # benchmarks/memory.py: LocalStack.stop unless foreign engines live
+
+        safe_stop(stack, log)
         left = engine_processes()
         log(f"stopped; engine processes left: {left or 'none'}")
 
     summary = summarize(data, systems, labels)
-    table = markdown(summary, systems)
+    table = markdown(summary, systems).replace("{streams}", str(args.streams))
     print("\n" + table + "\n", flush=True)
     if args.json:
         out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
