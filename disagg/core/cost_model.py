@@ -31,7 +31,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from disagg.core.types import SloClass
-from disagg.core.yaml_errors import explain, yaml_root
+from disagg.core.yaml_errors import explain, read_yaml, yaml_root
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 
@@ -151,14 +151,7 @@ class CostModel(_Strict):
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":
         path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise CostModelError(f"{path}: no such cost-model file") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}" if mark else str(path)
-            raise CostModelError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+        data = read_yaml(path, CostModelError, "cost-model")
         if not isinstance(data, dict):
             raise CostModelError(f"{path}: a cost model is a YAML mapping, got {type(data).__name__}")
         return cls.from_dict(data, path)

@@ -9,6 +9,17 @@ import yaml
 from pydantic import ValidationError
 
 
+def read_yaml(path: Path, error: type[Exception], what: str):
+    """Parse a YAML file, or raise `error` saying 'file:line: ...' (missing file, bad syntax)."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{path}: no such {what} file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise error(f"{path}:{mark.line + 1 if mark else 1}: not valid YAML: {getattr(e, 'problem', e)}") from None
+
+
 def yaml_root(path: Path) -> yaml.Node | None:
     try:
         return yaml.compose(path.read_text())

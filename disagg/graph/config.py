@@ -12,13 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from disagg.core.policies import PolicyError, build_policy
 from disagg.core.cost_model import CostModelError, load_profile
 from disagg.core.types import SloClass
-from disagg.core.yaml_errors import explain, yaml_root
+from disagg.core.yaml_errors import explain, read_yaml, yaml_root
 
 
 class _Strict(BaseModel):
@@ -140,13 +139,7 @@ def parse_args(args: dict, path: Path | None = None, prefix: tuple = ()) -> AppC
 def load_serve_config(path: str | Path) -> list[tuple[str, AppConfig]]:
     """Validate every application of a Serve config file that our `build_app` builds."""
     path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise ConfigError(f"{path}:{mark.line + 1 if mark else 1}: not valid YAML") from None
+    doc = read_yaml(path, ConfigError, "Serve config")
     apps = doc.get("applications") if isinstance(doc, dict) else None
     if not isinstance(apps, list) or not apps:
         raise ConfigError(f"{path}:1: field 'applications': a Serve config needs a list of applications")
