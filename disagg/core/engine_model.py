@@ -212,8 +212,10 @@ class EngineModel:
         for job in self.ready:
             self._join(job, generated=0)
         self.ready.clear()
+        preempted = False
         while self._blocks_over(1) > self.free_blocks and (self.decoding or self.prefilling):
             self._preempt_newest()
+            preempted = True
         n = len(self.decoding)
         budget = self.c.max_batched_tokens - n
         # the decode step's own new blocks come first (only prefill chunks compete for them)
@@ -228,7 +230,11 @@ class EngineModel:
                 break
             chunks.append((job, c))
             budget -= c
-        while self.waiting and budget > 0:
+        # vLLM v1 admits nothing from the queue in a step that had to preempt: the freed blocks
+        # would only be taken back by the next decode step, throwing the chunk away. (With nothing
+        # left running, admission must go on, or the engine would idle with a queue.)
+        admit = not preempted or not (self.decoding or self.prefilling)
+        while self.waiting and budget > 0 and admit:
             job = self.waiting[0]
             if job.remote_kv and job.computed == 0:
                 need = self._blocks_for(job.prompt)
