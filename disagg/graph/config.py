@@ -42,6 +42,8 @@ class EngineConfig(_Strict):
     side_channel_host: str = Field(default="127.0.0.1", description="address peers reach the NIXL side channel "
                                    "on; 'auto' = this node's IP (multi-node clusters)")
     seed: int = 0
+    stream_interval_s: float = Field(default=0.02, ge=0.0, le=1.0, description="after the first token, stream "
+                                     "tokens in batches at most this often (0 = every token alone)")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra vLLM AsyncEngineArgs fields")
 
     @model_validator(mode="after")
