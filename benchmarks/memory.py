@@ -178,6 +178,10 @@ def kind(pid: int, parents: dict[int, int]) -> str:
         return "Serve controller"
     if "ProxyActor" in c:
         return "Serve proxy"
+    if comm.startswith("ray-dashboard-") or c.startswith("ray-dashboard-"):
+        return "Ray system: dashboard modules"
+    if "multiprocessing.resource_tracker" in c or "multiprocessing.forkserver" in c:
+        return "Python multiprocessing helpers (resource_tracker, forkserver)"
     if c.startswith("ray::"):
         return "other Ray workers (" + c.split()[0] + ")"
     for needle, name in (("gcs_server", "gcs_server"), ("raylet", "raylet"), ("dashboard/agent.py", "dashboard agent"),
@@ -362,6 +366,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=500)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--batch-timeout", type=float, default=1200.0)
+    ap.add_argument("--idle-control", type=float, default=600.0,
+                    help="after the load, leave the router idle this long (at most one batch's wall time)")
     ap.add_argument("--settle", type=float, default=5.0, help="idle seconds before each router sample")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -400,6 +406,14 @@ def main(argv=None) -> int:
                 raise RuntimeError("the router replica restarted during the load")
             samples[name] = router_sample(pid, args.settle)
             log(f"  router RSS {samples[name]['rss'] / MIB:.1f} MiB, PSS {samples[name]['pss'] / MIB:.1f} MiB")
+        # Control: the same router left idle (its 50 ms engine poll keeps running) for as long as a
+        # batch took, to tell growth per request from growth over time.
+        idle_s = min(args.idle_control, out["load"]["after_20k"]["wall_s"]) if args.idle_control > 0 else 0
+        if idle_s:
+            log(f"idle control: {idle_s:.0f} s without requests ...")
+            samples["after_20k_idle"] = router_sample(pid, idle_s)
+            log(f"  router RSS {samples['after_20k_idle']['rss'] / MIB:.1f} MiB")
+        out["idle_control_s"] = idle_s
         out["router"] = {"pid": pid, **samples}
         out["router_state"] = admin_state(stack.base_url)
         out["cluster_after_load"] = cluster_memory(me)
@@ -420,14 +434,23 @@ def main(argv=None) -> int:
     print("| router replica | requests served so far | RSS | PSS |")
     print("| --- | --- | --- | --- |")
     cum = 0
-    for name in ("idle", "warmup", "after_10k", "after_20k"):
+    for name in ("idle", "warmup", "after_10k", "after_20k", "after_20k_idle"):
+        if name not in s:
+            continue
         cum += done.get(name, 0)
-        print(f"| {name} | {cum} | {s[name]['rss'] / MIB:.1f} MiB | {s[name]['pss'] / MIB:.1f} MiB |")
+        label = f"after_20k + {out['idle_control_s']:.0f} s idle" if name == "after_20k_idle" else name
+        print(f"| {label} | {cum} | {s[name]['rss'] / MIB:.1f} MiB | {s[name]['pss'] / MIB:.1f} MiB |")
     g1 = s["after_10k"]["rss"] - s["warmup"]["rss"]
     g2 = s["after_20k"]["rss"] - s["after_10k"]["rss"]
     print(f"\nRouter RSS growth: warm-up → 10k: {g1 / MIB:+.1f} MiB ({g1 / max(1, done['after_10k']):+.0f} B/request); "
           f"10k → 20k: {g2 / MIB:+.1f} MiB ({g2 / max(1, done['after_20k']):+.0f} B/request).")
     out["router_growth"] = {"warmup_to_10k": g1, "10k_to_20k": g2}
+    if "after_20k_idle" in s:
+        g3 = s["after_20k_idle"]["rss"] - s["after_20k"]["rss"]
+        print(f"Idle control ({out['idle_control_s']:.0f} s, no requests): {g3 / MIB:+.1f} MiB.")
+        out["router_growth"]["idle_control"] = g3
+    print(f"Router counters at the end: {out['router_state'].get('counters')} (requests not sent by this "
+          f"script would show as requests > {sum(done.values())}).")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -218,14 +218,15 @@ print("deployed", flush=True)
 """
 
 
-def deploy_raylm(model_path: str, timeout_s: float) -> None:
+def deploy_raylm(model_path: str, timeout_s: float, direct: bool = False) -> None:
     from disagg.graph.launch import RAY_ENV  # loopback only: without it ray.init hangs on the eth0 address
 
     cfg = raylm_llm_config(model_path)
-    pd = {"prefill_config": cfg, "decode_config": json.loads(json.dumps(cfg)),
-          # Serve's default reservation of 1 CPU for the ingress replica does not fit next to our
-          # app on 2 logical CPUs; the same 0.1 as our router (a reservation, not a speed limit).
-          "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.1}}}
+    pd = {"prefill_config": cfg, "decode_config": json.loads(json.dumps(cfg))}
+    if not direct:  # direct streaming has no separate ingress deployment (and rejects this option)
+        # Serve's default reservation of 1 CPU for the ingress replica does not fit next to our
+        # app on 2 logical CPUs; the same 0.1 as our router (a reservation, not a speed limit).
+        pd["ingress_deployment_config"] = {"ray_actor_options": {"num_cpus": 0.1}}
     log("deploying Ray Serve LLM's P/D app on /raylm ...")
     r = subprocess.run([sys.executable, "-c", _DEPLOY_RAYLM, json.dumps({"pd": pd, "prefix": RAYLM_PREFIX})],
                        capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **RAY_ENV})
@@ -534,7 +535,7 @@ def main(argv=None) -> int:
         if "C" in systems:
             from disagg.graph.tiny_model import build_tiny_model
 
-            deploy_raylm(str(build_tiny_model()), args.start_timeout)
+            deploy_raylm(str(build_tiny_model()), args.start_timeout, direct=args.mode == "direct")
         data = asyncio.run(bench(args, systems, labels))
     finally:
         log("stopping: serve shutdown (both apps), engines, ray stop ...")
