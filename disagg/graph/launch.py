@@ -70,15 +70,18 @@ _SERVE_SHUTDOWN = f"import ray; from ray import serve; ray.init(address={RAY_ADD
 
 
 def ray_running() -> bool:
-    return subprocess.run([_bin("ray"), "status", "--address", RAY_ADDRESS], env=_env(),
-                          capture_output=True, timeout=60).returncode == 0
+    try:
+        return subprocess.run([_bin("ray"), "status", "--address", RAY_ADDRESS], env=_env(),
+                              capture_output=True, timeout=60).returncode == 0
+    except subprocess.TimeoutExpired:  # a cluster too busy to answer is still a cluster
+        return True
 
 
 class LocalStack:
     """One Ray head on 127.0.0.1 and one deployed Serve config; a context manager."""
 
     def __init__(self, config: str | Path, *, num_cpus: int | None = None, ready_timeout_s: float = 900.0,
-                 log=print) -> None:
+                 reuse_ray: bool = False, log=print) -> None:
         self.config = Path(config)
         self.num_cpus = num_cpus or os.cpu_count() or 2
         self.ready_timeout_s = ready_timeout_s
@@ -88,6 +91,8 @@ class LocalStack:
         http = doc.get("http_options") or {}
         self.base_url = f"http://127.0.0.1:{http.get('port', 8000)}"
         self.started_ray = False
+        self.deployed = False
+        self.reuse_ray = reuse_ray
 
     def __enter__(self) -> "LocalStack":
         try:
@@ -105,7 +110,11 @@ class LocalStack:
             raise RuntimeError("vLLM engine processes from an earlier run are still alive "
                                f"(pids {engine_processes()}); stop them first")
         self._prepare_models()
-        if not ray_running():
+        if ray_running():
+            if not self.reuse_ray:
+                raise RuntimeError(f"a Ray cluster is already running at {RAY_ADDRESS}; stop it (ray stop) "
+                                   "or reuse it explicitly")
+        else:
             self.log("starting Ray on 127.0.0.1 ...")
             subprocess.run([_bin("ray"), "start", "--head", f"--num-cpus={self.num_cpus}",
                             "--node-ip-address=127.0.0.1", "--include-dashboard=true",
@@ -114,6 +123,7 @@ class LocalStack:
             self.started_ray = True
         self.log(f"deploying {self.config} ...")
         # `serve run` talks to the cluster (GCS), not to the dashboard's REST API
+        self.deployed = True  # from here on, teardown owns the app and its engines
         subprocess.run([_bin("serve"), "run", "--non-blocking", "--address", RAY_ADDRESS, str(self.config)],
                        env=_env(), check=True, capture_output=True, timeout=300)
         self.wait_ready()
@@ -154,6 +164,9 @@ class LocalStack:
                 signal.signal(sig, handler)
 
     def _stop(self, timeout_s: float) -> None:
+        if not self.deployed:  # nothing of ours runs: never touch another cluster's apps
+            return
+        self.deployed = False
         if ray_running():
             try:
                 subprocess.run([sys.executable, "-c", _SERVE_SHUTDOWN], env=_env(), capture_output=True,
@@ -182,7 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="deployments/local.yaml")
     args = ap.parse_args(argv)
     try:
-        stack = LocalStack(args.config)
+        stack = LocalStack(args.config, reuse_ray=True)
     except ConfigError as e:
         print(f"disagg: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,817 @@
+"""`disagg bench`: run routing policies against the live app (and/or the simulator) on trace slices.
+
+What one invocation does, in this order:
+1. **Check every input before anything is sent**: policies (known, and not simulator-only for a
+   live run), rates and shares, the cost model, the topology, every trace (a row that fails to
+   parse is a `TraceError` naming file, line and field), the output folder (a folder holding a
+   run of *other* settings is refused), and the app: `GET /health` must answer 200,
+   `GET /v1/models` gives the model and its `max_model_len`, `GET /admin/state` the instances.
+2. **Plan each trace slice**, deterministically: the first `max_requests` requests, rescaled to
+   the rate (`--rate`, or the saturation rate, or the trace's own rate), cut at `duration_s`,
+   SLO classes drawn with `tight_share` and `seed`, then fitted to the model's context (a prompt
+   is capped at `max_model_len - 1` tokens and its output at what is left; both counts are
+   reported). The simulator and the live app get the very same requests.
+3. **Correctness gates** (live only; a failed gate stops the run, `GateFailed`, exit 1):
+   `token_count` (ignore_eos with max_tokens=N returns exactly N completion tokens, per usage),
+   `greedy_equivalence` (round_robin, one greedy prompt sent 2×(decode instances) times: the
+   texts are identical and the route headers cover every decode instance in `/admin/state`) and
+   `warm` (round-robin requests until every prefill×decode pair has served one request, at most
+   2·P·D requests; round robin advances both pools together, so when gcd(P, D) > 1 some pairs are
+   unreachable: they are listed, and the gate only requires every instance to be warmed).
+   Results go to `gates.json` and `results.json`.
+4. **Saturation** (`--saturation`, optional and slow live): the rule of
+   `disagg.sim.runner.find_saturation` (round robin's goodput midway between a light rate and
+   overload, doubling then bisection on log-rate), probing live with `probe_iterations` bisection
+   steps (the simulator uses 10). A probe at rate r sends the first max(probe_requests,
+   r·probe_seconds) requests of the whole trace (beyond `max_requests` if need be), so that each
+   probe is a sustained load of about `probe_seconds`, not a burst. Fixed-size probes do not work
+   live: measured on the CPU profile with 30-request probes, round robin's goodput never fell
+   below 0.37 even at 6,000 req/s (30 requests at once are a burst the engines absorb), so the
+   doubling ran to its limit and the "saturation rate" came out at 3,000 req/s. A probe takes
+   its duration plus the drain, the light one (1/20 of the trace's own rate, at least
+   probe_requests requests) the longest: expect several minutes per trace on the CPU profile.
+   With `--sim` and no URL, `find_saturation` itself runs in the simulator. The rates found are
+   stored in settings.json and reused when the run resumes.
+5. **Per policy, per trace**: `POST /admin/policy`, `POST /admin/reset_prefix_cache`, then the
+   open-loop generator (`disagg.bench.loadgen`) sends the slice. Every finished request becomes
+   one JSON line in `DIR/requests.jsonl`, written whole with one `write()` on an O_APPEND file.
+   With `realtime` (`--realtime`) the generator runs under SCHED_FIFO during the live part: when
+   the app saturates the machine's cores, a normally scheduled generator wakes up late (see
+   `loadgen.realtime_priority` for the measurements) and its send lag, not the trace, shapes the
+   arrivals; every run reports its send-lag P99 and is flagged above `lag_bound_s` either way.
+6. `--sim`: `disagg.sim.runner.simulate` on the same slices, with `--cost-model` and the
+   topology (by default the live app's instance counts, else 1P2D); its `RequestRecord`s become
+   lines of the same schema with `system: "sim"`.
+7. `disagg.bench.report` writes results.json, results.md and the PNG plots.
+
+**Resuming.** A line's key is (system, policy, trace, index). On start the harness reads the
+lines already there (a torn last line from a killed process is cut off) and sends only the
+requests without one; requests in flight when the run was killed have no line and are sent again,
+so after any number of interruptions each request is counted exactly once. The pending requests
+keep their schedule, shifted so that the first of them is sent at once; the load they see is then
+not exactly that of an uninterrupted run (the requests that had finished are not in flight),
+which `results.json` notes per run (`resumed`). `settings.json` holds the settings that decide
+what is sent and how it is judged; rerunning with any of them changed is refused before anything
+is sent.
+
+**Goodput** is judged against the SLO targets of the cost-model YAML given with `--cost-model`
+(default: the shipped `cpu-tiny` profile, the one `deployments/local.yaml` routes with). Pass the
+same file the router was deployed with; its name is compared with the router's `/admin/state`
+and a difference is reported as a warning in results.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import httpx
+
+from disagg.bench.loadgen import (
+    ClientResult, ClientShards, PlannedRequest, event_loop_runner, prompt_seed, realtime_priority, run_open_loop,
+    send_one,
+)
+from disagg.core.cost_model import CostModel, load_profile
+from disagg.core.policies import known_policies, policy_class
+from disagg.core.types import SloClass
+from disagg.sim.metrics import RequestRecord, summarize
+from disagg.sim.traces import TraceRequest, assign_slo_classes, read_trace, rescale_to_rate, slice_trace
+
+SETTINGS_FILE = "settings.json"
+RECORDS_FILE = "requests.jsonl"
+GATES_FILE = "gates.json"
+SETTINGS_VERSION = 1
+LIVE, SIM = "live", "sim"
+RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
+
+
+class BenchError(Exception):
+    """Bad input or an unusable target, found before anything is sent: one line for the user."""
+
+
+class GateFailed(BenchError):
+    """The app under test failed a correctness gate: measuring it would be meaningless."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything `disagg bench` was asked to do (CLI flags, validated by `check`)."""
+
+    out: Path
+    traces: tuple[str, ...]
+    policies: tuple[str, ...]
+    url: str | None = None
+    fmt: str = "auto"
+    rate: float | None = None
+    saturation: bool = False
+    duration_s: float | None = None
+    max_requests: int | None = None
+    tight_share: float = 0.5
+    seed: int = 0
+    sim: bool = False
+    cost_model: str = "cpu-tiny"
+    topology: str | None = None
+    max_model_len: int | None = None  # sim-only runs; a live run reads it from GET /v1/models
+    request_timeout_s: float = 300.0
+    lag_bound_s: float = 0.050
+    probe_requests: int = 20
+    probe_seconds: float = 20.0
+    probe_iterations: int = 5
+    max_connections: int = 4096
+    gates: bool = True
+    realtime: bool = False  # the generator under SCHED_FIFO (see loadgen.realtime_priority)
+
+    @property
+    def live(self) -> bool:
+        return self.url is not None
+
+
+@dataclass(frozen=True)
+class TraceInput:
+    name: str
+    path: Path
+    sha256: str
+    requests: tuple[TraceRequest, ...]
+
+
+@dataclass
+class Target:
+    """What the app under test told us about itself."""
+
+    model: str
+    max_model_len: int
+    prefill: list[str]
+    decode: list[str]
+    policy: str
+    cost_model: str
+
+
+# --- the record file ---------------------------------------------------------------------------
+
+
+def record_key(rec: dict) -> tuple[str, str, str, int]:
+    return rec["system"], rec["policy"], rec["trace"], int(rec["index"])
+
+
+class RecordStore:
+    """`requests.jsonl`: one JSON object per finished request, appended whole, never rewritten.
+
+    Each line is one `os.write` on an O_APPEND descriptor, so a reader never sees two records
+    interleaved; a process killed mid-write can leave one torn last line, which `load` cuts off
+    (that request is sent again)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: dict[tuple, dict] = {}
+        self.duplicates = 0
+        self.torn_bytes = 0
+        self._fd: int | None = None
+
+    def load(self) -> "RecordStore":
+        if not self.path.exists():
+            return self
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            keep = data.rfind(b"\n") + 1
+            self.torn_bytes = len(data) - keep
+            with open(self.path, "r+b") as f:
+                f.truncate(keep)
+            data = data[:keep]
+        for n, line in enumerate(data.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                key = record_key(rec)
+            except (ValueError, KeyError, TypeError):
+                raise BenchError(f"{self.path}:{n}: not a bench record; the folder is damaged") from None
+            if key in self.records:
+                self.duplicates += 1
+                continue
+            self.records[key] = rec
+        return self
+
+    def done(self, system: str, policy: str, trace: str) -> set[int]:
+        return {k[3] for k in self.records if k[:3] == (system, policy, trace)}
+
+    def append(self, rec: dict) -> None:
+        key = record_key(rec)
+        if key in self.records:  # never count a request twice, whatever the caller does
+            self.duplicates += 1
+            return
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        line = (json.dumps(_finite(rec), separators=(",", ":")) + "\n").encode()
+        os.write(self._fd, line)
+        self.records[key] = rec
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _finite(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def to_request_record(rec: dict) -> RequestRecord:
+    """A JSON line back to the simulator's record type, for `disagg.sim.metrics.summarize`."""
+    return RequestRecord(**{k: rec.get(k) for k in RECORD_FIELDS if k in rec})
+
+
+def live_record(res: ClientResult, *, policy: str, trace: str, req: TraceRequest, cm: CostModel,
+                rate: float) -> dict:
+    """One live request as a JSON line; the RequestRecord fields plus the client's own figures."""
+    slo = SloClass(res.slo_class) if res.slo_class else SloClass.LOOSE
+    target = cm.target(slo)
+    met = (res.error is None and res.ttft_s is not None and res.ttft_s <= target.ttft_s
+           and (res.tpot_s is None or res.tpot_s <= target.tpot_s))
+    route = res.route
+    rec = RequestRecord(
+        request_id=f"{trace}/{res.index}", arrival_s=req.arrival_s, prompt_tokens=req.prompt_tokens,
+        output_tokens=res.tokens, slo_class=slo.value,
+        prefill_id=route.get("served_prefill") or route.get("prefill"),
+        decode_id=route.get("served_decode") or route.get("decode"),
+        predicted_output_tokens=None, ttft_s=res.ttft_s, tpot_s=res.tpot_s, e2e_s=res.e2e_s, slo_met=met,
+        error=res.error,
+    ).as_dict()
+    return {"system": LIVE, "policy": policy, "trace": trace, "index": res.index, **rec,
+            "max_tokens": res.max_tokens, "rate": rate, "sent_s": res.sent_s, "send_lag_s": res.send_lag_s,
+            "status": res.status, "route": route}
+
+
+def sim_record(r: RequestRecord, *, policy: str, trace: str, rate: float, slice_: Sequence[TraceRequest]) -> dict:
+    index = int(r.request_id[1:])  # the simulator names request i of its trace "r{i}"
+    return {"system": SIM, "policy": policy, "trace": trace, "index": index, **r.as_dict(),
+            "request_id": f"{trace}/{index}", "max_tokens": slice_[index].output_tokens, "rate": rate,
+            "sent_s": r.arrival_s, "send_lag_s": None, "status": None, "route": {}}
+
+
+# --- planning ----------------------------------------------------------------------------------
+
+
+def own_rate(trace: Sequence[TraceRequest]) -> float:
+    span = trace[-1].arrival_s - trace[0].arrival_s if len(trace) > 1 else 0.0
+    return (len(trace) - 1) / span if span > 0 else 1.0
+
+
+def fit_to_context(trace: Sequence[TraceRequest], max_len: int | None) -> tuple[list[TraceRequest], int, int]:
+    """Cap each prompt at max_len − 1 tokens and its output at what is left of the context.
+
+    The router refuses (400) a prompt that fills the context or a max_tokens that overflows it, so
+    unfitted requests would measure the validation path, not the serving path."""
+    if not max_len:
+        return list(trace), 0, 0
+    out, prompts, outputs = [], 0, 0
+    for r in trace:
+        p = min(r.prompt_tokens, max_len - 1)
+        o = min(r.output_tokens, max_len - p)
+        prompts += p != r.prompt_tokens
+        outputs += o != r.output_tokens
+        out.append(dataclasses.replace(r, prompt_tokens=p, output_tokens=o) if (p, o) != (r.prompt_tokens,
+                                                                                        r.output_tokens) else r)
+    return out, prompts, outputs
+
+
+def plan_slice(trace: Sequence[TraceRequest], *, rate: float | None, duration_s: float | None,
+               max_requests: int | None, tight_share: float, seed: int,
+               max_len: int | None) -> tuple[list[TraceRequest], dict]:
+    """The slice that is run: first max_requests, rescaled to the rate, cut at duration_s, SLO
+    classes assigned, fitted to the context. Deterministic in its arguments."""
+    t = list(trace[:max_requests] if max_requests else trace)
+    if rate is not None and len(t) > 1:
+        t = rescale_to_rate(t, rate)
+    if duration_s is not None:
+        try:
+            t = slice_trace(t, 0.0, duration_s)
+        except ValueError as e:
+            raise BenchError(f"--duration {duration_s:g}: {e}") from None
+    t = assign_slo_classes(t, tight_share, seed)
+    t, capped_p, capped_o = fit_to_context(t, max_len)
+    info = {"requests": len(t), "rate": own_rate(t) if len(t) > 1 else rate,
+            "span_s": t[-1].arrival_s - t[0].arrival_s, "prompts_capped_to_context": capped_p,
+            "outputs_capped_to_context": capped_o}
+    return t, info
+
+
+def planned(slice_: Sequence[TraceRequest], trace: str, seed: int, indices: Sequence[int] | None = None,
+            stream: str | None = None) -> list[PlannedRequest]:
+    """Loadgen requests for (some of) a slice, re-based so the first of them is sent at once."""
+    idx = list(range(len(slice_))) if indices is None else sorted(indices)
+    if not idx:
+        return []
+    t0 = min(slice_[i].arrival_s for i in idx)
+    return [PlannedRequest(index=i, at_s=slice_[i].arrival_s - t0, prompt_tokens=slice_[i].prompt_tokens,
+                           max_tokens=slice_[i].output_tokens,
+                           slo_class=slice_[i].slo_class.value if slice_[i].slo_class else None,
+                           prompt_seed=prompt_seed(seed, stream or trace, i))
+            for i in idx]
+
+
+def saturation_steps(own: float, iterations: int, max_doublings: int = 12):
+    """The rule of `disagg.sim.runner.find_saturation`, as a generator: it yields the rates to
+    probe, is sent round robin's goodput at each, and returns the result dict.
+
+    g_lo at max(0.05, own/20); from `own`, double until goodput ≤ 0.2 (at most `max_doublings`
+    times); bisect log(rate) between the last two doubling points for (g_lo + g_hi)/2. A generator
+    so that the very same steps drive the synchronous search and the live, asynchronous one.
+
+    The result has one key more than find_saturation's: `bracketed`, false when the goodput at the
+    lower bisection end was already at or below the target. The rule then cannot find the
+    midpoint (it lies below that end) and converges to the lower end; on the live CPU profile
+    this happened (goodput 0.83 at 5.2 req/s, 0.31 at 10.5, target 0.55: "saturation" 10.7)."""
+    r_lo = max(0.05, own / 20)
+    g_lo = yield r_lo
+    below, hi = r_lo, own
+    g_below = g_lo
+    g_hi = yield hi
+    for _ in range(max_doublings):
+        if g_hi <= 0.2:
+            break
+        below, hi, g_below = hi, hi * 2, g_hi
+        g_hi = yield hi
+    target = (g_lo + g_hi) / 2
+    a, b = math.log(below), math.log(hi)
+    for _ in range(iterations):
+        mid = (a + b) / 2
+        if (yield math.exp(mid)) > target:
+            a = mid
+        else:
+            b = mid
+    return {"rate": math.exp((a + b) / 2), "goodput_light": g_lo, "goodput_overload": g_hi,
+            "target_goodput": target, "light_rate": r_lo, "overload_rate": hi, "bracketed": g_below > target}
+
+
+def saturation_search(goodput: Callable[[float], float], own: float, iterations: int) -> dict:
+    steps = saturation_steps(own, iterations)
+    try:
+        rate = next(steps)
+        while True:
+            rate = steps.send(goodput(rate))
+    except StopIteration as stop:
+        return stop.value
+
+
+async def saturation_search_async(goodput, own: float, iterations: int) -> dict:
+    steps = saturation_steps(own, iterations)
+    try:
+        rate = next(steps)
+        while True:
+            rate = steps.send(await goodput(rate))
+    except StopIteration as stop:
+        return stop.value
+
+
+# --- input checks ------------------------------------------------------------------------------
+
+
+def check_config(cfg: BenchConfig) -> tuple[CostModel, list[TraceInput]]:
+    """Everything that can be checked without the network. Raises BenchError (or TraceError)."""
+    if not cfg.live and not cfg.sim:
+        raise BenchError("nothing to run: give --url (the live app) and/or --sim")
+    if not cfg.policies:
+        raise BenchError("--policies is empty")
+    live_ok = known_policies(False)
+    for name in cfg.policies:
+        if name not in known_policies(True):
+            raise BenchError(f"unknown policy {name!r}; known policies: {', '.join(known_policies(True))}")
+        if cfg.live and name not in live_ok:
+            raise BenchError(f"policy {name!r} runs in the simulator only; the live app knows: {', '.join(live_ok)}")
+        policy_class(name)
+    if len(set(cfg.policies)) != len(cfg.policies):
+        raise BenchError(f"--policies lists a policy twice: {','.join(cfg.policies)}")
+    if cfg.rate is not None and not (math.isfinite(cfg.rate) and cfg.rate > 0):
+        raise BenchError(f"--rate must be a positive number of requests/s, got {cfg.rate}")
+    if cfg.rate is not None and cfg.saturation:
+        raise BenchError("--rate and --saturation exclude each other")
+    if not (0.0 <= cfg.tight_share <= 1.0):
+        raise BenchError(f"--tight-share must be in [0, 1], got {cfg.tight_share}")
+    if cfg.duration_s is not None and not cfg.duration_s > 0:
+        raise BenchError(f"--duration must be > 0 s, got {cfg.duration_s}")
+    if cfg.max_requests is not None and cfg.max_requests < 1:
+        raise BenchError(f"--max-requests must be ≥ 1, got {cfg.max_requests}")
+    if cfg.max_model_len is not None and cfg.max_model_len < 2:
+        raise BenchError(f"--max-model-len must be ≥ 2, got {cfg.max_model_len}")
+    if cfg.request_timeout_s <= 0:
+        raise BenchError(f"--request-timeout must be > 0 s, got {cfg.request_timeout_s}")
+    if cfg.saturation and (cfg.probe_requests < 2 or cfg.probe_iterations < 1 or not cfg.probe_seconds > 0):
+        raise BenchError("saturation probing needs --probe-requests ≥ 2, --probe-seconds > 0 and "
+                         "--probe-iterations ≥ 1")
+    if cfg.topology is not None:
+        from disagg.sim.simulator import Topology
+
+        try:
+            Topology.parse(cfg.topology)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+    if cfg.url is not None and not cfg.url.startswith(("http://", "https://")):
+        raise BenchError(f"--url must be an http:// URL, got {cfg.url!r}")
+    cm = load_profile(cfg.cost_model)  # CostModelError names the file and field
+    if not cfg.traces:
+        raise BenchError("give at least one --trace")
+    traces, names = [], set()
+    for t in cfg.traces:
+        path = Path(t)
+        if not path.is_file():
+            raise BenchError(f"trace {t!r}: no such file")
+        name = path.name.split(".")[0]
+        if name in names:
+            raise BenchError(f"two traces are named {name!r}; the name (file name without extension) keys the results")
+        names.add(name)
+        reqs = read_trace(path, cfg.fmt)  # TraceError: file:line: field
+        traces.append(TraceInput(name, path, _sha256(path), tuple(reqs)))
+    return cm, traces
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def settings_of(cfg: BenchConfig, cm: CostModel, traces: Sequence[TraceInput]) -> dict:
+    """The settings that decide what is sent and how it is judged (compared on resume)."""
+    cm_hash = hashlib.sha256(json.dumps(cm.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+    return {
+        "version": SETTINGS_VERSION, "live": cfg.live, "sim": cfg.sim,
+        "traces": [{"name": t.name, "sha256": t.sha256} for t in traces],
+        "policies": list(cfg.policies), "rate": cfg.rate, "saturation": cfg.saturation,
+        "duration_s": cfg.duration_s, "max_requests": cfg.max_requests, "tight_share": cfg.tight_share,
+        "seed": cfg.seed, "cost_model": {"name": cm.name, "sha256": cm_hash},
+        "topology": cfg.topology, "max_model_len": cfg.max_model_len if not cfg.live else None,
+        "probe": ({"requests": cfg.probe_requests, "seconds": cfg.probe_seconds, "iterations": cfg.probe_iterations}
+                  if cfg.saturation else None),
+    }
+
+
+def _diff(old: Any, new: Any, where: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            out += _diff(old.get(k), new.get(k), f"{where}.{k}" if where else str(k))
+        return out
+    return [] if old == new else [f"{where}: was {json.dumps(old)}, now {json.dumps(new)}"]
+
+
+def check_out_dir(out: Path, settings: dict) -> dict | None:
+    """The stored settings file of a compatible earlier run (None for a new run), or BenchError."""
+    if out.exists() and not out.is_dir():
+        raise BenchError(f"--out {out} exists and is not a folder")
+    path = out / SETTINGS_FILE
+    if not path.exists():
+        if out.exists() and (out / RECORDS_FILE).exists():
+            raise BenchError(f"{out} holds {RECORDS_FILE} but no {SETTINGS_FILE}: not a folder this command "
+                             "wrote; use another --out")
+        return None
+    try:
+        stored = json.loads(path.read_text())
+        old = stored["settings"]
+    except (ValueError, KeyError, TypeError):
+        raise BenchError(f"{path} is not a bench settings file; use another --out") from None
+    diffs = _diff(old, settings)
+    if diffs:
+        raise BenchError(f"{out} holds a run with other settings ({'; '.join(diffs)}); "
+                         "use another --out, or rerun with the same settings to resume it")
+    return stored
+
+
+# --- talking to the app ------------------------------------------------------------------------
+
+
+async def probe_target(client: httpx.AsyncClient, url: str) -> Target:
+    try:
+        health = await client.get("/health", timeout=10.0)
+    except httpx.HTTPError as e:
+        raise BenchError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
+    if health.status_code != 200:
+        raise BenchError(f"{url}/health answered {health.status_code} ({health.text[:200]}); the app is not ready")
+    try:
+        models = (await client.get("/v1/models", timeout=10.0)).json()["data"][0]
+        state = (await client.get("/admin/state", timeout=10.0)).json()
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise BenchError(f"{url} does not look like the disagg app (/v1/models, /admin/state): {e}") from None
+    insts = state.get("instances") or {}
+    max_len = models.get("max_model_len")
+    if not isinstance(max_len, int) or max_len < 2:
+        raise BenchError(f"{url}/v1/models gives no usable max_model_len ({max_len!r})")
+    return Target(model=models["id"], max_model_len=max_len,
+                  prefill=sorted(i for i, v in insts.items() if v.get("role") == "prefill"),
+                  decode=sorted(i for i, v in insts.items() if v.get("role") == "decode"),
+                  policy=state.get("policy", "?"), cost_model=state.get("cost_model", "?"))
+
+
+async def set_policy(client: httpx.AsyncClient, name: str) -> None:
+    r = await client.post("/admin/policy", json={"name": name, "params": {}}, timeout=30.0)
+    if r.status_code != 200:
+        try:
+            msg = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            msg = r.text[:300]
+        raise BenchError(f"the app refused policy {name!r} ({r.status_code}): {msg}")
+
+
+async def reset_prefix_cache(client: httpx.AsyncClient) -> None:
+    r = await client.post("/admin/reset_prefix_cache", timeout=60.0)
+    if r.status_code != 200:
+        raise BenchError(f"POST /admin/reset_prefix_cache answered {r.status_code}: {r.text[:300]}")
+
+
+# --- gates -------------------------------------------------------------------------------------
+
+
+async def run_gates(client: httpx.AsyncClient, target: Target, seed: int, timeout_s: float) -> list[dict]:
+    """The three correctness gates, in order, up to the first that fails; each a dict with name,
+    passed, detail and the number of requests it sent."""
+    gates = []
+
+    def req(i: int, prompt: int, max_tokens: int, stream: str, slo: str | None = "loose") -> PlannedRequest:
+        return PlannedRequest(index=i, at_s=0.0, prompt_tokens=prompt, max_tokens=max_tokens, slo_class=slo,
+                              prompt_seed=prompt_seed(seed, stream, i))
+
+    # 1. token-count contract
+    bad = []
+    for i, n in enumerate((1, 9)):
+        r = await send_one(client, target.model, req(i, 24, n, "gate/token_count"), timeout_s=timeout_s)
+        if r.error or r.usage_completion_tokens != n:
+            bad.append(f"max_tokens={n}: usage.completion_tokens={r.usage_completion_tokens}, "
+                       f"content events={r.content_events}, error={r.error}")
+    gates.append({"name": "token_count", "passed": not bad, "requests": 2,
+                  "detail": "; ".join(bad) or "ignore_eos + max_tokens=N gave exactly N completion tokens (N=1, 9)"})
+    if bad:  # the first failed gate stops: what follows would measure a broken app
+        return gates
+
+    # 2. greedy equivalence across decode instances
+    await set_policy(client, "round_robin")
+    n = 2 * max(1, len(target.decode))
+    texts, decodes, errors = [], set(), []
+    for i in range(n):
+        r = await send_one(client, target.model, req(0, 32, 16, "gate/greedy"), timeout_s=timeout_s)
+        if r.error:
+            errors.append(r.error)
+        texts.append(r.text)
+        decodes.add(r.route.get("served_decode") or r.route.get("decode"))
+    missing = sorted(set(target.decode) - decodes)
+    ok = not errors and len(set(texts)) == 1 and not missing and bool(target.decode)
+    detail = (f"{n} identical greedy answers across decode instances {sorted(decodes)}" if ok else
+              f"errors={errors[:2]}, distinct texts={len(set(texts))}, decode instances not reached={missing}, "
+              f"decode instances in /admin/state={target.decode}")
+    gates.append({"name": "greedy_equivalence", "passed": ok, "requests": n, "detail": detail})
+    if not ok:
+        return gates
+
+    # 3. warm every prefill×decode pair once
+    pairs_all = {(p, d) for p in target.prefill for d in target.decode}
+    seen, sent, errors = set(), 0, []
+    limit = 2 * max(1, len(pairs_all))
+    while sent < limit and not pairs_all <= seen:
+        r = await send_one(client, target.model, req(sent, 64, 4, "gate/warm"), timeout_s=timeout_s)
+        sent += 1
+        if r.error:
+            errors.append(r.error)
+            continue
+        seen.add((r.route.get("served_prefill") or r.route.get("prefill"),
+                  r.route.get("served_decode") or r.route.get("decode")))
+    unreached = sorted(f"{p}->{d}" for p, d in pairs_all - seen)
+    instances_ok = ({p for p, _ in seen} >= set(target.prefill)) and ({d for _, d in seen} >= set(target.decode))
+    ok = not errors and instances_ok
+    gates.append({"name": "warm", "passed": ok, "requests": sent,
+                  "detail": (f"{len(seen & pairs_all)}/{len(pairs_all)} prefill×decode pairs warmed"
+                             + (f"; unreachable by round robin: {unreached}" if unreached else "")
+                             + (f"; errors: {errors[:2]}" if errors else ""))})
+    return gates
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+class Bench:
+    """One `disagg bench` invocation. `run()` returns the results dict (also written to `out`)."""
+
+    def __init__(self, cfg: BenchConfig, *, progress: Callable[[int, str], Callable[[int], None]] | None = None,
+                 log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> None:
+        self.cfg = cfg
+        self.progress = progress or (lambda total, label: (lambda n: None))
+        self.log = log
+        self.cm, self.traces = check_config(cfg)
+        self.settings = settings_of(cfg, self.cm, self.traces)
+        self.stored = check_out_dir(cfg.out, self.settings)
+        self.resolved: dict = dict((self.stored or {}).get("resolved") or {})
+        self.gates: list[dict] = []
+        self.sent = {"gates": 0, "probes": 0, "runs": 0}
+        self.load_stats: dict[str, dict] = {}
+        self.resumed: set[tuple] = set()
+        self.warnings: list[str] = []
+        self.slices: dict[str, list[TraceRequest]] = {}
+        self.slice_info: dict[str, dict] = {}
+        self.store = RecordStore(cfg.out / RECORDS_FILE)
+        self.target: Target | None = None
+        self.shards: ClientShards | None = None
+
+    # settings.json ------------------------------------------------------------------------------
+
+    def _save_settings(self) -> None:
+        from disagg.cli import write_json_atomic
+
+        write_json_atomic(self.cfg.out / SETTINGS_FILE, _finite({
+            "settings": self.settings, "resolved": self.resolved,
+            "info": {"url": self.cfg.url, "traces": {t.name: str(t.path) for t in self.traces},
+                     "cost_model_source": self.cfg.cost_model},
+        }))
+
+    def _resolve(self, key: str, value) -> None:
+        """A value found at run time that must not change when the run resumes."""
+        old = self.resolved.get(key)
+        if old is not None and old != value:
+            raise BenchError(f"{self.cfg.out} holds a run where {key} was {old!r}; now it is {value!r}. "
+                             "Use another --out")
+        self.resolved[key] = value
+
+    # entry --------------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        self.store.load()
+        if self.store.torn_bytes:
+            self.log(f"cut a torn last line ({self.store.torn_bytes} bytes) from {self.store.path}")
+        try:
+            if self.cfg.live:
+                with realtime_priority(self.cfg.realtime) as why_not:
+                    if why_not:
+                        self.warnings.append(why_not)
+                    event_loop_runner()(self._live())
+            else:
+                self._resolve_sim_only()
+            if self.cfg.sim:
+                self._run_sim()
+        finally:
+            self.store.close()
+        from disagg.bench import report
+
+        return report.write_all(self)
+
+    def _resolve_sim_only(self) -> None:
+        self._resolve("max_model_len", self.cfg.max_model_len)
+        self._resolve("topology", self.cfg.topology or "1P2D")
+        self._plan_all()
+        self._save_settings()
+
+    def _plan_all(self, rates: dict[str, float | None] | None = None) -> None:
+        for t in self.traces:
+            rate = self.cfg.rate if rates is None else rates.get(t.name)
+            s, info = plan_slice(t.requests, rate=rate, duration_s=self.cfg.duration_s,
+                                 max_requests=self.cfg.max_requests, tight_share=self.cfg.tight_share,
+                                 seed=self.cfg.seed, max_len=self.resolved.get("max_model_len"))
+            self.slices[t.name], self.slice_info[t.name] = s, info
+
+    def _store_saturation(self, name: str, found: dict) -> None:
+        self.resolved.setdefault("saturation", {})[name] = found
+        self.log(f"{name}: saturation rate {found['rate']:.3f} req/s")
+        self._save_settings()
+
+    def _saturation_rates(self) -> dict[str, float]:
+        return {n: f["rate"] for n, f in (self.resolved.get("saturation") or {}).items()}
+
+    def _sim_saturation(self, t: TraceInput) -> dict:
+        from disagg.sim.runner import find_saturation
+        from disagg.sim.simulator import Topology
+
+        base = list(t.requests[: self.cfg.max_requests] if self.cfg.max_requests else t.requests)
+        base, _, _ = fit_to_context(base, self.resolved.get("max_model_len"))
+        return find_saturation(base, self.cm, Topology.parse(self.resolved["topology"]),
+                               tight_share=self.cfg.tight_share, seed=self.cfg.seed)
+
+    # live ---------------------------------------------------------------------------------------
+
+    async def _live(self) -> None:
+        cfg = self.cfg
+        async with ClientShards(cfg.url, timeout_s=cfg.request_timeout_s, max_connections=cfg.max_connections) as sh:
+            self.shards = sh
+            c = sh.admin
+            target = await probe_target(c, cfg.url)
+            self.target = target
+            self._resolve("max_model_len", target.max_model_len)
+            self._resolve("model", target.model)
+            self._resolve("topology", cfg.topology or f"{len(target.prefill)}P{max(1, len(target.decode))}D")
+            if target.cost_model != self.cm.name:
+                self.warnings.append(f"goodput is judged with cost model {self.cm.name!r}; the router routes with "
+                                     f"{target.cost_model!r}")
+            if not cfg.saturation:
+                self._plan_all()
+            self._save_settings()  # every input checked: from here on requests are sent
+            if cfg.gates:
+                self.log(f"gates: token count, greedy equivalence over {len(target.decode)} decode instances, warm-up")
+                self.gates = await run_gates(c, target, cfg.seed, cfg.request_timeout_s)
+                self.sent["gates"] += sum(g["requests"] for g in self.gates)
+                from disagg.cli import write_json_atomic
+
+                write_json_atomic(cfg.out / GATES_FILE, self.gates)
+                failed = [g for g in self.gates if not g["passed"]]
+                if failed:
+                    raise GateFailed("correctness gate failed, nothing measured: "
+                                     + "; ".join(f"{g['name']}: {g['detail']}" for g in failed))
+            if cfg.saturation:
+                await self._live_saturation(c)
+                self._plan_all(self._saturation_rates())
+                self._save_settings()
+            for policy in cfg.policies:
+                for t in self.traces:
+                    await self._live_run(c, policy, t.name)
+
+    async def _live_saturation(self, c: httpx.AsyncClient) -> None:
+        """Find each trace's saturation rate by probing the live app (round robin, short slices)."""
+        cfg = self.cfg
+        for t in self.traces:
+            if t.name in self._saturation_rates():
+                continue
+            self.log(f"{t.name}: saturation search on the live app (slow: see disagg.bench.harness) ...")
+            pool = list(t.requests)
+
+            async def probe(rate: float, t=t, pool=pool) -> float:
+                n = min(len(pool), max(cfg.probe_requests, math.ceil(rate * cfg.probe_seconds)))
+                s, _ = plan_slice(pool[:n], rate=rate, duration_s=None, max_requests=None,
+                                  tight_share=cfg.tight_share, seed=cfg.seed, max_len=self.resolved.get("max_model_len"))
+                await set_policy(c, "round_robin")
+                await reset_prefix_cache(c)
+                reqs = planned(s, t.name, cfg.seed, stream=f"{t.name}/probe")
+                results, _ = await run_open_loop(self.shards, self.target.model, reqs, timeout_s=cfg.request_timeout_s)
+                self.sent["probes"] += len(results)
+                recs = [to_request_record(live_record(r, policy="round_robin", trace=t.name, req=s[r.index],
+                                                      cm=self.cm, rate=rate)) for r in results]
+                g = summarize(recs)["goodput"]
+                self.log(f"  probe {t.name} at {rate:.3f} req/s, {n} requests: round_robin goodput {g:.3f}")
+                return g
+
+            own = own_rate(pool[: cfg.max_requests] if cfg.max_requests else pool)
+            self._store_saturation(t.name, await saturation_search_async(probe, own, cfg.probe_iterations))
+
+    async def _live_run(self, c: httpx.AsyncClient, policy: str, trace: str) -> None:
+        s = self.slices[trace]
+        done = self.store.done(LIVE, policy, trace)
+        pending = [i for i in range(len(s)) if i not in done]
+        if not pending:
+            return
+        if done:
+            self.resumed.add((LIVE, policy, trace))
+            self.log(f"{policy} on {trace}: resuming, {len(done)} of {len(s)} requests already recorded")
+        await set_policy(c, policy)
+        await reset_prefix_cache(c)
+        rate = self.slice_info[trace]["rate"]
+        bar = self.progress(len(pending), f"{policy[:11]}/{trace[:8]}")
+
+        def on_result(res: ClientResult) -> None:
+            self.store.append(live_record(res, policy=policy, trace=trace, req=s[res.index], cm=self.cm, rate=rate))
+            bar(1)
+
+        reqs = planned(s, trace, self.cfg.seed, pending)
+        results, stats = await run_open_loop(self.shards, self.target.model, reqs, on_result=on_result,
+                                             timeout_s=self.cfg.request_timeout_s)
+        self.sent["runs"] += len(results)
+        self.load_stats[f"{LIVE}/{policy}/{trace}"] = stats.as_dict()
+
+    # sim ----------------------------------------------------------------------------------------
+
+    def _run_sim(self) -> None:
+        from disagg.sim.runner import simulate
+        from disagg.sim.simulator import Topology
+
+        topology = Topology.parse(self.resolved["topology"])
+        if self.cfg.saturation and not self.cfg.live:
+            for t in self.traces:
+                if t.name not in self._saturation_rates():
+                    self.log(f"{t.name}: saturation search in the simulator ...")
+                    self._store_saturation(t.name, self._sim_saturation(t))
+            self._plan_all(self._saturation_rates())
+            self._save_settings()
+        for policy in self.cfg.policies:
+            for t in self.traces:
+                s = self.slices[t.name]
+                done = self.store.done(SIM, policy, t.name)
+                if len(done) >= len(s):
+                    continue
+                bar = self.progress(len(s), f"sim {policy[:7]}/{t.name[:8]}")
+                _, result = simulate(s, self.cm, topology, policy, seed=self.cfg.seed, progress=bar)
+                rate = self.slice_info[t.name]["rate"]
+                for r in sorted(result.records, key=lambda r: int(r.request_id[1:])):
+                    rec = sim_record(r, policy=policy, trace=t.name, rate=rate, slice_=s)
+                    if rec["index"] not in done:
+                        self.store.append(rec)
+
+
+def run_bench(cfg: BenchConfig, **kw) -> dict:
+    return Bench(cfg, **kw).run()

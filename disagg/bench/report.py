@@ -1,0 +1,298 @@
+"""Summaries of a bench folder: results.json, results.md and two PNG plots, all written atomically.
+
+Built from `requests.jsonl` alone (plus the run's settings and gate results), so a resumed or
+repeated run reports every request once, whichever invocation sent it. Per (system, policy,
+trace): goodput (overall and per SLO class), P50/P99 TTFT and TPOT, P50 e2e, failures, the rate,
+and for live runs the generator's send lag (P50/P99) with `send_lag_exceeded` when its P99 is
+above the bound (default 50 ms: past that the client, not the app, shapes the arrivals).
+
+Goodput is the share of all requests that met both targets of their SLO class, the targets being
+those of the cost-model YAML given with `--cost-model` (see `disagg.bench.harness`). The Markdown
+file has one table per figure in the shape of the paper's Table II: a row per policy (simulated
+rows marked "(sim)"), a column per trace, and the mean ± standard deviation across traces.
+Plots: `goodput.png` (bars per policy, grouped by trace) and `ttft_cdf.png` (TTFT CDF per policy,
+one panel per trace; simulator curves dashed). matplotlib runs with the Agg backend.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from disagg.core.types import SloClass
+from disagg.sim.metrics import percentile, summarize
+
+if TYPE_CHECKING:  # pragma: no cover
+    from disagg.bench.harness import Bench
+
+RESULTS_JSON = "results.json"
+RESULTS_MD = "results.md"
+GOODPUT_PNG = "goodput.png"
+TTFT_PNG = "ttft_cdf.png"
+TABLE_METRICS = (("goodput", "Goodput (share of requests meeting both SLO targets)", ".3f"),
+                 ("ttft_p50_s", "TTFT P50 (s)", ".3f"), ("ttft_p99_s", "TTFT P99 (s)", ".3f"),
+                 ("tpot_p50_s", "TPOT P50 (s)", ".4f"), ("tpot_p99_s", "TPOT P99 (s)", ".4f"))
+
+
+def row_label(system: str, policy: str) -> str:
+    return policy if system == "live" else f"{policy} (sim)"
+
+
+def summarize_runs(records: Sequence[dict], *, expected: dict[str, int], lag_bound_s: float,
+                   order: Sequence[tuple[str, str]], traces: Sequence[str]) -> list[dict]:
+    """One summary per (system, policy, trace), in `order` × `traces` order."""
+    from disagg.bench.harness import to_request_record
+
+    groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["system"], r["policy"], r["trace"])].append(r)
+    runs = []
+    for system, policy in order:
+        for trace in traces:
+            recs = sorted(groups.get((system, policy, trace), []), key=lambda r: r["index"])
+            if not recs:
+                continue
+            s = summarize([to_request_record(r) for r in recs])
+            lags = [r["send_lag_s"] for r in recs if r.get("send_lag_s") is not None]
+            lag_p99 = percentile(lags, 99)
+            runs.append({
+                "system": system, "policy": policy, "trace": trace, "rate": recs[0].get("rate"),
+                "expected_requests": expected.get(trace), "complete": len(recs) == expected.get(trace),
+                **s,
+                "errors": _top_errors(recs),
+                "send_lag_p50_s": percentile(lags, 50) if lags else None,
+                "send_lag_p99_s": lag_p99 if lags else None,
+                "send_lag_exceeded": bool(lags) and lag_p99 > lag_bound_s,
+            })
+    return runs
+
+
+def _top_errors(recs: Sequence[dict], n: int = 3) -> dict[str, int]:
+    counts: dict[str, int] = defaultdict(int)
+    for r in recs:
+        if r.get("error"):
+            counts[r["error"][:160]] += 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:n])
+
+
+def table(runs: Sequence[dict], metric: str, traces: Sequence[str]) -> dict[str, dict]:
+    """{row label: {trace: value, "mean": m, "spread": population std across traces}}."""
+    rows: dict[str, dict] = {}
+    for r in runs:
+        rows.setdefault(row_label(r["system"], r["policy"]), {})[r["trace"]] = r.get(metric)
+    for label, row in rows.items():
+        vals = [row[t] for t in traces if isinstance(row.get(t), (int, float)) and math.isfinite(row[t])]
+        row["mean"] = statistics.fmean(vals) if vals else None
+        row["spread"] = statistics.pstdev(vals) if len(vals) > 1 else (0.0 if vals else None)
+    return rows
+
+
+def _fmt(v, spec: str) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "–"
+    return format(v, spec)
+
+
+def markdown(results: dict) -> str:
+    traces = list(results["traces"])
+    slo = results["cost_model"]["slo"]
+    lines = ["# disagg bench", ""]
+    s = results["settings"]
+    mode = " + ".join(m for m in ("live", "sim") if s[m])
+    lines.append(f"Mode: {mode}. Traces: " + ", ".join(
+        f"{t} ({i['requests']} requests at {_fmt(i['rate'], '.3g')} req/s)" for t, i in results["traces"].items())
+        + f". Seed {s['seed']}, tight share {s['tight_share']}.")
+    lines.append(f"Goodput judged with cost model `{results['cost_model']['name']}`: tight TTFT "
+                 f"{slo['tight']['ttft_s'] * 1e3:.0f} ms / TPOT {slo['tight']['tpot_s'] * 1e3:.1f} ms, loose TTFT "
+                 f"{slo['loose']['ttft_s'] * 1e3:.0f} ms / TPOT {slo['loose']['tpot_s'] * 1e3:.1f} ms."
+                 + (f" Simulated topology {results['resolved'].get('topology')}." if s["sim"] else ""))
+    lines.append("")
+    if results["gates"]:
+        lines += ["## Correctness gates", "", "| gate | passed | detail |", "| --- | --- | --- |"]
+        lines += [f"| {g['name']} | {'yes' if g['passed'] else '**no**'} | {g['detail']} |" for g in results["gates"]]
+        lines.append("")
+    for metric, title, spec in TABLE_METRICS:
+        rows = results["tables"][metric]
+        lines += [f"## {title}", "", "| policy | " + " | ".join(traces) + " | mean ± std |",
+                  "| --- | " + " | ".join("---" for _ in traces) + " | --- |"]
+        for label, row in rows.items():
+            cells = [_fmt(row.get(t), spec) for t in traces]
+            mean = _fmt(row["mean"], spec) + (f" ± {_fmt(row['spread'], spec)}" if row["spread"] is not None else "")
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {mean} |")
+        lines.append("")
+    lines += ["## Runs", "", "| system | policy | trace | rate req/s | requests | failed | goodput | tight | loose "
+              "| TTFT p50 s | TTFT p99 s | TPOT p50 s | TPOT p99 s | send lag p99 ms |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results["runs"]:
+        lag = _fmt(r["send_lag_p99_s"] * 1e3 if r["send_lag_p99_s"] is not None else None, ".1f")
+        if r["send_lag_exceeded"]:
+            lag = f"**{lag}** (over bound)"
+        count = f"{r['requests']}" + ("" if r["complete"] else f" of {r['expected_requests']}")
+        lines.append(f"| {r['system']} | {r['policy']} | {r['trace']} | {_fmt(r['rate'], '.3g')} | {count} | "
+                     f"{r['failed']} | {_fmt(r['goodput'], '.3f')} | {_fmt(r['goodput_tight'], '.3f')} | "
+                     f"{_fmt(r['goodput_loose'], '.3f')} | {_fmt(r['ttft_p50_s'], '.3f')} | "
+                     f"{_fmt(r['ttft_p99_s'], '.3f')} | {_fmt(r['tpot_p50_s'], '.4f')} | "
+                     f"{_fmt(r['tpot_p99_s'], '.4f')} | {lag} |")
+    lines.append("")
+    if results["warnings"]:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in results["warnings"]] + [""]
+    return "\n".join(lines)
+
+
+# --- files -------------------------------------------------------------------------------------
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are reports for anyone on the machine
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _save_fig(fig, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def plot_goodput(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["tables"]["goodput"]
+    traces = list(results["traces"])
+    groups = traces + (["mean"] if len(traces) > 1 else [])
+    labels = list(rows)
+    width = 0.8 / max(1, len(labels))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 + 1.0 * len(groups) * max(1, len(labels)) * 0.45), 4.2))
+    cmap = plt.get_cmap("tab10")
+    for k, label in enumerate(labels):
+        vals = [rows[label].get(g) for g in groups]
+        xs = [i + (k - (len(labels) - 1) / 2) * width for i in range(len(groups))]
+        ys = [v if isinstance(v, (int, float)) and math.isfinite(v) else 0.0 for v in vals]
+        ax.bar(xs, ys, width * 0.95, label=label, color=cmap(k % 10), hatch="//" if label.endswith("(sim)") else None,
+               edgecolor="white" if not label.endswith("(sim)") else "black", linewidth=0.5)
+        if len(groups) > 1 and rows[label]["spread"] is not None:
+            ax.errorbar([xs[-1]], [ys[-1]], yerr=[rows[label]["spread"]], fmt="none", ecolor="black", capsize=3,
+                        linewidth=0.8)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("goodput (share meeting both SLOs)")
+    ax.set_title("Goodput per policy and trace")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _save_fig(fig, path)
+    plt.close(fig)
+
+
+def plot_ttft_cdf(records: Sequence[dict], results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = list(results["traces"])
+    labels = list(results["tables"]["goodput"])
+    fig, axes = plt.subplots(1, len(traces), figsize=(5.2 * len(traces), 4.0), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    by: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for r in records:
+        if r.get("ttft_s") is not None:
+            by[(row_label(r["system"], r["policy"]), r["trace"])].append(r["ttft_s"])
+    slo = results["cost_model"]["slo"]
+    for ax, trace in zip(axes[0], traces):
+        any_line = False
+        for k, label in enumerate(labels):
+            xs = sorted(by.get((label, trace), []))
+            if not xs:
+                continue
+            any_line = True
+            n = len(xs)
+            ax.step(xs, [(i + 1) / n for i in range(n)], where="post", label=label, color=cmap(k % 10),
+                    linestyle="--" if label.endswith("(sim)") else "-")
+        for cls, ls in ((SloClass.TIGHT.value, ":"), (SloClass.LOOSE.value, "-.")):
+            ax.axvline(slo[cls]["ttft_s"], color="grey", linestyle=ls, linewidth=0.8, label=f"{cls} TTFT target")
+        if any_line:
+            from matplotlib.ticker import NullFormatter
+
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_ylim(0, 1.01)
+        ax.set_xlabel("TTFT (s)")
+        ax.set_ylabel("share of requests")
+        ax.set_title(f"TTFT CDF — {trace}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    _save_fig(fig, path)
+    plt.close(fig)
+
+
+def write_all(bench: "Bench") -> dict:
+    """Summarize the bench folder and write every output file; returns the results dict."""
+    from disagg.bench.harness import LIVE, SIM, _finite
+    from disagg.cli import write_json_atomic
+
+    cfg = bench.cfg
+    traces = [t.name for t in bench.traces]
+    records = list(bench.store.records.values())
+    order = ([(LIVE, p) for p in cfg.policies] if cfg.live else []) + ([(SIM, p) for p in cfg.policies] if cfg.sim
+                                                                      else [])
+    expected = {t: info["requests"] for t, info in bench.slice_info.items()}
+    runs = summarize_runs(records, expected=expected, lag_bound_s=cfg.lag_bound_s, order=order, traces=traces)
+    for r in runs:
+        key = (r["system"], r["policy"], r["trace"])
+        r["resumed"] = key in bench.resumed
+        r["load"] = bench.load_stats.get("/".join(key))
+    warnings = list(bench.warnings)
+    for r in runs:
+        if r["send_lag_exceeded"]:
+            warnings.append(f"{r['policy']} on {r['trace']}: the generator's send lag P99 was "
+                            f"{r['send_lag_p99_s'] * 1e3:.0f} ms (bound {cfg.lag_bound_s * 1e3:.0f} ms): the client, "
+                            "not the app, shaped part of the arrivals")
+        if not r["complete"]:
+            warnings.append(f"{r['system']} {r['policy']} on {r['trace']}: {r['requests']} of "
+                            f"{r['expected_requests']} requests recorded (rerun the command to finish it)")
+    for name, sat in (bench.resolved.get("saturation") or {}).items():
+        if sat.get("bracketed") is False:
+            warnings.append(f"{name}: the saturation rule's bisection did not bracket its target goodput "
+                            f"{sat['target_goodput']:.3f} (the midpoint lies below the last doubling point); "
+                            f"the rate {sat['rate']:.3g} req/s is an upper bound of round robin's mid-collapse")
+    if bench.store.duplicates:
+        warnings.append(f"{bench.store.duplicates} duplicate lines in requests.jsonl were ignored")
+    results = {
+        "settings": bench.settings, "resolved": bench.resolved, "url": cfg.url,
+        "cost_model": {"name": bench.cm.name, "source": cfg.cost_model,
+                       "slo": {c.value: {"ttft_s": bench.cm.target(c).ttft_s, "tpot_s": bench.cm.target(c).tpot_s}
+                               for c in SloClass}},
+        "gates": bench.gates, "warnings": warnings, "requests_sent": bench.sent,
+        "traces": bench.slice_info, "runs": runs,
+        "tables": {m: table(runs, m, traces) for m, _, _ in TABLE_METRICS},
+        "send_lag_bound_s": cfg.lag_bound_s, "generator_realtime": cfg.realtime,
+    }
+    results = _finite(results)
+    out = cfg.out
+    write_json_atomic(out / RESULTS_JSON, results)
+    write_text_atomic(out / RESULTS_MD, markdown(results))
+    if runs:
+        plot_goodput(results, out / GOODPUT_PNG)
+        plot_ttft_cdf(records, results, out / TTFT_PNG)
+    return results
