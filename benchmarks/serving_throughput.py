@@ -19,7 +19,7 @@ prompts (new ones every round, the same set for every system within a round):
   `kv_transfer_params`. No HTTP, no tokenization in the timed path (prompts are tokenized before
   the round), no Serve hop: a stricter limit than two bare vLLM API servers.
 * C — Ray Serve LLM's P/D app (`ray.serve.llm.build_pd_openai_app`), configured for this CPU
-  machine as measured in /work/shared/CPU-STACK.md, deployed into the same Ray cluster as a
+  machine as measured for this project, deployed into the same Ray cluster as a
   second Serve application on `/raylm` (ingress → decode replica → prefill replica).
   `--mode direct` starts Ray with `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1` and
   `RAY_SERVE_ENABLE_HA_PROXY=1`, which changes Serve's proxy for *every* application on the

@@ -10,7 +10,7 @@ several times per process. It must therefore be idempotent, cheap, and never rai
 
 Why: on a CPU-only machine an engine using vLLM's NixlConnector with default settings ran ~100x
 slower (8 tok/s instead of ~630 tok/s for one request) and every idle worker spun a core at 100%.
-Two independent causes, two tunings (measured; see /work/shared/CPU-STACK.md):
+Two independent causes, two tunings (both measured on a 2-core CPU machine):
 
 1. NIXL progress thread (fixed here). `nixl_agent_config(enable_prog_thread=True)` is NIXL's
    default and starts a UCX progress thread that busy-polls (`pthrDelay=0`), eating a core that
