@@ -21,6 +21,9 @@ It starts deployments/local.yaml (router, 1 prefill + 2 decode vLLM engines, KV 
    small requests and after twice that (20,000). Requests: POST /v1/completions, max_tokens 1,
    ignore_eos, `--concurrency` (64) in flight, distinct short prompts; each batch is bounded by
    `--batch-timeout` seconds (what did not finish in time is reported, not waited for).
+   `--batches N` runs N batches (default 2: 10k and 20k). A control follows: the router left idle
+   for as long as one batch took (its 50 ms engine poll still runs), to tell growth per request
+   from growth over time.
 
 Teardown always runs (LocalStack.stop: serve shutdown, no engine process left, ray stop).
 """
@@ -236,69 +239,6 @@ def router_sample(pid: int, settle_s: float) -> dict[str, Any]:
     return {"rss": int(statistics.median(rss)), "pss": int(statistics.median(pss))}
 
 
-def descendants(root: int) -> set[int]:
-    parents = ppid_map()
-    children: dict[int, list[int]] = {}
-    for pid, pp in parents.items():
-        children.setdefault(pp, []).append(pid)
-    seen: set[int] = set()
-    stack = [root]
-    while stack:
-        p = stack.pop()
-        if p not in seen:
-            seen.add(p)
-            stack.extend(children.get(p, ()))
-    return seen
-
-
-def safe_stop(stack, log=log, wait_foreign_s: float = 600.0) -> None:
-    """LocalStack.stop, unless vLLM engines this run did not start are alive.
-
-    LocalStack.stop SIGKILLs *every* vLLM engine process on the machine that outlives its wait,
-    including another session's. So: wait (bounded) for foreign engines to end; if some remain,
-    tear down only ours (serve shutdown, wait for our engines, kill only ours, ray stop).
-    """
-    import signal
-    import subprocess
-
-    from disagg.graph import launch
-
-    def ours() -> set[int]:
-        try:
-            session, node_id = ray_session()
-            mine = set(cluster_pids(session, node_id, set()))
-        except OSError:
-            mine = set()
-        return mine | descendants(os.getpid())
-
-    deadline = time.monotonic() + wait_foreign_s
-    while True:
-        foreign = [p for p in launch.engine_processes() if p not in ours()]
-        if not foreign or time.monotonic() > deadline:
-            break
-        log(f"vLLM engine processes of another run are alive ({foreign}); waiting before teardown")
-        time.sleep(10.0)
-    if not foreign:
-        stack.stop()
-        return
-    log(f"foreign engines {foreign} still alive: tearing down only this run's processes")
-    mine = [p for p in launch.engine_processes() if p in ours()]
-    if launch.ray_running():
-        subprocess.run([sys.executable, "-c", launch._SERVE_SHUTDOWN], env=launch._env(), capture_output=True,
-                       timeout=180)
-    end = time.monotonic() + 120
-    while any(os.path.exists(f"/proc/{p}") for p in mine) and time.monotonic() < end:
-        time.sleep(1.0)
-    for p in mine:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if stack.started_ray:
-        subprocess.run([launch._bin("ray"), "stop", "--force"], env=launch._env(), capture_output=True, timeout=180)
-        stack.started_ray = False
-
-
 # ------------------------------------------------------------------------------------------------
 # Load
 # ------------------------------------------------------------------------------------------------
@@ -363,6 +303,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "deployments" / "local.yaml"))
     ap.add_argument("--requests", type=int, default=10_000, help="requests per batch (two batches)")
+    ap.add_argument("--batches", type=int, default=2, help="batches of --requests after the warm-up")
     ap.add_argument("--warmup", type=int, default=500)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--batch-timeout", type=float, default=1200.0)
@@ -396,7 +337,10 @@ def main(argv=None) -> int:
             raise RuntimeError("no router replica process found")
         samples = {"idle": router_sample(pid, 0)}
         out["load"] = {}
-        for name, n in (("warmup", args.warmup), ("after_10k", args.requests), ("after_20k", args.requests)):
+        batches = [("warmup", args.warmup)] + [(f"after_{(i + 1) * args.requests // 1000}k", args.requests)
+                                               for i in range(args.batches)]
+        out["batches"] = [b for b, _ in batches]
+        for name, n in batches:
             log(f"load {name}: {n} requests, {args.concurrency} concurrent ...")
             res = asyncio.run(load(stack.base_url, n, args.concurrency, args.batch_timeout, name))
             out["load"][name] = res
@@ -408,18 +352,19 @@ def main(argv=None) -> int:
             log(f"  router RSS {samples[name]['rss'] / MIB:.1f} MiB, PSS {samples[name]['pss'] / MIB:.1f} MiB")
         # Control: the same router left idle (its 50 ms engine poll keeps running) for as long as a
         # batch took, to tell growth per request from growth over time.
-        idle_s = min(args.idle_control, out["load"]["after_20k"]["wall_s"]) if args.idle_control > 0 else 0
+        last = batches[-1][0]
+        idle_s = min(args.idle_control, out["load"][last]["wall_s"]) if args.idle_control > 0 else 0
         if idle_s:
             log(f"idle control: {idle_s:.0f} s without requests ...")
-            samples["after_20k_idle"] = router_sample(pid, idle_s)
-            log(f"  router RSS {samples['after_20k_idle']['rss'] / MIB:.1f} MiB")
+            samples["final_idle"] = router_sample(pid, idle_s)
+            log(f"  router RSS {samples['final_idle']['rss'] / MIB:.1f} MiB")
         out["idle_control_s"] = idle_s
         out["router"] = {"pid": pid, **samples}
         out["router_state"] = admin_state(stack.base_url)
         out["cluster_after_load"] = cluster_memory(me)
     finally:
         log("stopping ...")
-        safe_stop(stack)
+        stack.stop()
         out["engine_processes_left"] = engine_processes()
         log(f"stopped; engine processes left: {out['engine_processes_left'] or 'none'}")
 
@@ -434,21 +379,27 @@ def main(argv=None) -> int:
     print("| router replica | requests served so far | RSS | PSS |")
     print("| --- | --- | --- | --- |")
     cum = 0
-    for name in ("idle", "warmup", "after_10k", "after_20k", "after_20k_idle"):
+    names = ["idle", *out["batches"], "final_idle"]
+    for name in names:
         if name not in s:
             continue
         cum += done.get(name, 0)
-        label = f"after_20k + {out['idle_control_s']:.0f} s idle" if name == "after_20k_idle" else name
+        label = f"{out['batches'][-1]} + {out['idle_control_s']:.0f} s idle" if name == "final_idle" else name
         print(f"| {label} | {cum} | {s[name]['rss'] / MIB:.1f} MiB | {s[name]['pss'] / MIB:.1f} MiB |")
-    g1 = s["after_10k"]["rss"] - s["warmup"]["rss"]
-    g2 = s["after_20k"]["rss"] - s["after_10k"]["rss"]
-    print(f"\nRouter RSS growth: warm-up → 10k: {g1 / MIB:+.1f} MiB ({g1 / max(1, done['after_10k']):+.0f} B/request); "
-          f"10k → 20k: {g2 / MIB:+.1f} MiB ({g2 / max(1, done['after_20k']):+.0f} B/request).")
-    out["router_growth"] = {"warmup_to_10k": g1, "10k_to_20k": g2}
-    if "after_20k_idle" in s:
-        g3 = s["after_20k_idle"]["rss"] - s["after_20k"]["rss"]
-        print(f"Idle control ({out['idle_control_s']:.0f} s, no requests): {g3 / MIB:+.1f} MiB.")
-        out["router_growth"]["idle_control"] = g3
+    growth = {}
+    parts = []
+    prev = "warmup"
+    for name in out["batches"][1:]:
+        g = s[name]["rss"] - s[prev]["rss"]
+        growth[f"{prev}_to_{name}"] = g
+        parts.append(f"{prev} → {name}: {g / MIB:+.1f} MiB ({g / max(1, done[name]):+.0f} B/request)")
+        prev = name
+    print("\nRouter RSS growth: " + "; ".join(parts) + ".")
+    if "final_idle" in s:
+        g = s["final_idle"]["rss"] - s[prev]["rss"]
+        print(f"Idle control ({out['idle_control_s']:.0f} s, no requests): {g / MIB:+.1f} MiB.")
+        growth["idle_control"] = g
+    out["router_growth"] = growth
     print(f"Router counters at the end: {out['router_state'].get('counters')} (requests not sent by this "
           f"script would show as requests > {sum(done.values())}).")
     if args.json:

@@ -2,9 +2,10 @@
 
 Usage (from the repository root, with nothing else running on the machine):
 
-    .venv/bin/python benchmarks/serving_throughput.py --rounds 5 --json runs/serving_throughput.json
-    # Ray Serve LLM's direct-streaming mode needs env vars at `ray start`: a separate phase
-    .venv/bin/python benchmarks/serving_throughput.py --mode direct --systems B,C --json runs/st-direct.json
+    .venv/bin/python benchmarks/serving_throughput.py --rounds 7 --sequential 16 --json runs/serving_throughput.json
+    # Ray Serve LLM's direct-streaming mode needs env vars at `ray start`: a separate run
+    .venv/bin/python benchmarks/serving_throughput.py --mode direct --rounds 7 --sequential 16 \
+        --json runs/serving_throughput-direct.json
 
 Three systems run 1 prefill + 1 decode vLLM engine (CPU build) of the offline tiny model each, KV
 moved over NIXL, and are driven with the same load: `--streams` concurrent streaming requests
@@ -25,7 +26,9 @@ prompts (new ones every round, the same set for every system within a round):
   `RAY_SERVE_ENABLE_HA_PROXY=1`, which changes Serve's proxy for *every* application on the
   cluster, so it is a separate run (its A, if measured, is labelled as such).
 
-Rounds are interleaved (A, B, C, A, B, C, ...) after one unmeasured warm-up round per system.
+Rounds are interleaved (A, B, C, A, B, C, ...) after one unmeasured warm-up round per system;
+all three systems are up at once (6 engines, ~16 GB). After the rounds, `--sequential` single
+requests per system, one at a time and interleaved, give the unloaded TTFT.
 Per round and system: output tokens/s = total output tokens / wall time of the round (first send
 to last byte); client TTFT = send → first SSE event carrying a choice (A, C) or first token
 chunk (B). TTFT percentiles pool every measured request of every round.
@@ -539,10 +542,7 @@ def main(argv=None) -> int:
         data = asyncio.run(bench(args, systems, labels))
     finally:
         log("stopping: serve shutdown (both apps), engines, ray stop ...")
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from memory import safe_stop  # benchmarks/memory.py: LocalStack.stop unless foreign engines live
-
-        safe_stop(stack, log)
+        stack.stop()
         left = engine_processes()
         log(f"stopped; engine processes left: {left or 'none'}")
 

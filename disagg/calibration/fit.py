@@ -9,8 +9,11 @@ Inputs are what `measure` records on live engines:
 - the engine's KV capacity in tokens.
 
 Fits that cannot describe hardware are refused with the numbers that show it (a prefill slope
-≤ 0, a decode step that falls with concurrency, a transfer slope ≤ 0, too few points), and no
-file is written.
+≤ 0, a decode step that clearly falls with concurrency, a transfer slope ≤ 0, too few points), and
+no file is written. A decode curve that is flat within its noise is not refused: on a small CPU a
+tiny model's step is dominated by fixed overhead, so its measured slope is as often slightly
+negative as positive; τ_seq is then 0. "Clearly falls" means both beyond three standard errors
+of the slope and by more than 10% of the step over the measured range.
 
 SLO rule (documented, derived from the same measurements):
 - tight TTFT = 2 × (prefill of a 1,024-token prompt + its transfer + one decode step at batch 1);
@@ -50,6 +53,7 @@ class LinearFit:
     n: int
     residual_p50: float  # relative |residual| / measured
     residual_p90: float
+    slope_stderr: float = 0.0
 
     def predict(self, x: float) -> float:
         return self.intercept + self.slope * x
@@ -71,8 +75,10 @@ def fit_linear(samples: list[Sample], what: str, min_points: int = 3) -> LinearF
     ss_res = float(np.sum((ys - pred) ** 2))
     ss_tot = float(np.sum((ys - ys.mean()) ** 2))
     rel = np.abs(ys - pred) / ys
+    sxx = float(np.sum((xs - xs.mean()) ** 2))
+    stderr = float(np.sqrt(ss_res / (len(xs) - 2) / sxx)) if len(xs) > 2 else float("inf")
     return LinearFit(float(slope), float(intercept), 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0, len(samples),
-                     float(np.percentile(rel, 50)), float(np.percentile(rel, 90)))
+                     float(np.percentile(rel, 50)), float(np.percentile(rel, 90)), stderr)
 
 
 @dataclass(slots=True)
@@ -106,8 +112,11 @@ def fit_cost_model(m: Measurements, name: str) -> tuple[CostModel, FitReport]:
                                "the prompts were too short to measure, or cached")
     # Tolerate measurement noise in a flat curve, refuse a clearly falling one.
     spread = max(s.x for s in m.decode) - min(s.x for s in m.decode)
-    if decode.slope * spread < -0.1 * max(decode.intercept, 1e-9):
-        raise CalibrationError(f"decode step time falls with concurrency (slope {decode.slope:.3g} s per sequence)")
+    significant = decode.slope + 3 * decode.slope_stderr < 0
+    material = decode.slope * spread < -0.1 * max(decode.intercept, 1e-9)
+    if significant and material:
+        raise CalibrationError(f"decode step time falls with concurrency (slope {decode.slope:.3g} "
+                               f"± {decode.slope_stderr:.2g} s per sequence over {decode.n} samples)")
     if transfer.slope <= 0:
         raise CalibrationError(f"KV transfer time does not grow with tokens (slope {transfer.slope:.3g} s/token)")
     if m.kv_capacity_tokens <= 0:

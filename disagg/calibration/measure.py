@@ -7,7 +7,7 @@ Starts one prefill and one decode engine from the deployment config's engine set
   prefill's KV is then handed to the decode engine, which gives
 - the KV hand-off time: the decode engine's first-token time with remote KV minus one decode step;
 - decode step time at several concurrencies: the median gap between streamed tokens once every
-  stream of the batch is running;
+  stream of the batch is running, each concurrency several times in rotating order;
 - the engine's KV capacity.
 A second, interleaved set of prefill lengths and concurrencies is kept out of the fit for the
 held-out check.
@@ -109,11 +109,14 @@ class Calibrator:
                 s, _ = await self._prefill_and_handoff(P, D, p, step1)
                 held_prefill.append(s)
                 progress(1)
-            decode = [Sample(1, step1)]
-            for b in plan.concurrencies:
-                if b != 1:
+            # Every concurrency is measured `repeats` times in rotating order, so a slow moment of
+            # a shared machine lands on different concurrencies rather than bending the curve.
+            decode = []
+            conc = list(plan.concurrencies)
+            for r in range(plan.repeats):
+                for b in conc[r % len(conc):] + conc[:r % len(conc)]:
                     decode.append(Sample(b, await self._decode_step(D, b, plan.decode_tokens)))
-                progress(1)
+            progress(len(conc))
             held_decode = []
             for b in plan.held_out_concurrencies:
                 held_decode.append(Sample(b, await self._decode_step(D, b, plan.decode_tokens)))

@@ -8,6 +8,10 @@ then wait until no vLLM engine process is left (an orphaned EngineCore keeps its
 The cluster is started with the settings a single machine needs: loopback only, auth off, usage
 stats off, and worker niceness 0 — Ray's default nice 15 starves the engines against anything
 else running on a small machine.
+
+Teardown only touches what this stack started: Ray is started with a `DISAGG_STACK_ID` in its
+environment, which every Ray worker and every engine they spawn inherits (and keeps when orphaned),
+so the engines left after `serve shutdown` are told apart from another run's on the same machine.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import yaml
@@ -36,6 +41,7 @@ RAY_ENV = {
     "RAY_worker_niceness": "0",
 }
 ENGINE_PROCESS_MARKERS = ("EngineCore", "VLLM::EngineCore", "VLLM::Worker")
+STACK_ID_VAR = "DISAGG_STACK_ID"
 
 
 def _bin(name: str) -> str:
@@ -55,14 +61,31 @@ def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-def engine_processes() -> list[int]:
+def _stack_id_of(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:  # gone, or not ours to read
+        return None
+    prefix = f"{STACK_ID_VAR}=".encode()
+    return next((e[len(prefix):].decode() for e in env if e.startswith(prefix)), None)
+
+
+def engine_processes(stack_id: str | None = None) -> list[int]:
+    """vLLM engine processes on this machine; with `stack_id`, only those that stack started."""
     out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     pids = []
     for line in out.splitlines():
         pid, _, args = line.strip().partition(" ")
         if any(m in args for m in ENGINE_PROCESS_MARKERS):
-            pids.append(int(pid))
+            if stack_id is None or _stack_id_of(int(pid)) == stack_id:
+                pids.append(int(pid))
     return pids
+
+
+def stack_engines_left() -> list[int]:
+    """Engines started by some LocalStack (they carry a stack id): leftovers that hold ports and memory."""
+    return [p for p in engine_processes() if _stack_id_of(p) is not None]
 
 
 RAY_ADDRESS = "127.0.0.1:6379"
@@ -75,6 +98,16 @@ def ray_running() -> bool:
                               capture_output=True, timeout=60).returncode == 0
     except subprocess.TimeoutExpired:  # a cluster too busy to answer is still a cluster
         return True
+
+
+def _running_stack_id() -> str | None:
+    """The stack id the running Ray cluster was started with (None: started by hand)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if "raylet" in args.split(" ")[0]:
+            return _stack_id_of(int(pid))
+    return None
 
 
 class LocalStack:
@@ -93,6 +126,7 @@ class LocalStack:
         self.started_ray = False
         self.deployed = False
         self.reuse_ray = reuse_ray
+        self.stack_id = uuid.uuid4().hex  # replaced by the running cluster's when reusing one
 
     def __enter__(self) -> "LocalStack":
         try:
@@ -106,20 +140,23 @@ class LocalStack:
         self.stop()
 
     def start(self) -> None:
-        if engine_processes():
-            raise RuntimeError("vLLM engine processes from an earlier run are still alive "
-                               f"(pids {engine_processes()}); stop them first")
         self._prepare_models()
         if ray_running():
             if not self.reuse_ray:
                 raise RuntimeError(f"a Ray cluster is already running at {RAY_ADDRESS}; stop it (ray stop) "
                                    "or reuse it explicitly")
+            self.stack_id = _running_stack_id()
         else:
+            left = stack_engines_left()
+            if left:
+                raise RuntimeError(f"vLLM engine processes of an earlier stack are still alive (pids {left}); "
+                                   "they hold NIXL ports and memory: stop them first")
             self.log("starting Ray on 127.0.0.1 ...")
             subprocess.run([_bin("ray"), "start", "--head", f"--num-cpus={self.num_cpus}",
                             "--node-ip-address=127.0.0.1", "--include-dashboard=true",
                             "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
-                           env=_env(), check=True, capture_output=True, timeout=180)
+                           env={**_env(), STACK_ID_VAR: self.stack_id}, check=True, capture_output=True,
+                           timeout=180)
             self.started_ray = True
         self.log(f"deploying {self.config} ...")
         # `serve run` talks to the cluster (GCS), not to the dashboard's REST API
@@ -173,10 +210,12 @@ class LocalStack:
                                timeout=180)
             except subprocess.TimeoutExpired:
                 self.log("serve shutdown timed out; stopping engines and Ray anyway")
+        if self.stack_id is None:  # a cluster started by hand: its engines are not ours to kill
+            return
         deadline = time.monotonic() + timeout_s
-        while engine_processes() and time.monotonic() < deadline:
+        while engine_processes(self.stack_id) and time.monotonic() < deadline:
             time.sleep(1.0)
-        for pid in engine_processes():  # orphans would hold NIXL ports and memory
+        for pid in engine_processes(self.stack_id):  # orphans would hold NIXL ports and memory
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

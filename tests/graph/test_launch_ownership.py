@@ -1,0 +1,32 @@
+"""Teardown kills only the engines its own stack started, never another run's on the same machine."""
+
+import os
+import subprocess
+import time
+
+from disagg.graph.launch import STACK_ID_VAR, engine_processes, stack_engines_left
+
+
+def fake_engine(stack_id: str | None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != STACK_ID_VAR}
+    if stack_id:
+        env[STACK_ID_VAR] = stack_id
+    # a process whose command line reads like vLLM's engine core
+    return subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore sleep 60"], env=env)
+
+
+def test_engines_are_told_apart_by_the_stack_that_started_them():
+    ours, theirs, unmarked = fake_engine("stack-a"), fake_engine("stack-b"), fake_engine(None)
+    try:
+        deadline = time.monotonic() + 10
+        while len({ours.pid, theirs.pid, unmarked.pid} & set(engine_processes())) < 3:
+            assert time.monotonic() < deadline, "fake engines did not show up in ps"
+            time.sleep(0.05)
+        assert ours.pid in engine_processes("stack-a")
+        assert theirs.pid not in engine_processes("stack-a") and unmarked.pid not in engine_processes("stack-a")
+        left = stack_engines_left()
+        assert ours.pid in left and theirs.pid in left and unmarked.pid not in left
+    finally:
+        for p in (ours, theirs, unmarked):
+            p.kill()
+            p.wait(timeout=10)
