@@ -4,7 +4,9 @@
 - `noise`: output-length predictor error 0–150% (the paper's robustness claim);
 - `miscalibration`: the router's τ_dec off by 7.4× (both directions) while the engines keep the
   true constants — the paper's "constants from the simulator" failure;
-- `sizing`: the fewest decode instances each policy needs to reach a goodput target at a rate.
+- `sizing`: the fewest decode instances each policy needs to reach a goodput target at a rate;
+- `latency-routing`: a heterogeneous multi-model fleet routed by accuracy − λ·cost under per-query
+  TTFT limits, against an accuracy/cost router and a load balancer (disagg.sim.latency_study).
 
 All studies use the same trace slice, seed and SLO mix, so their rows compare within one run.
 Unless `--rate` is given, the rate is the saturation rate of the base topology (see runner).
@@ -17,11 +19,12 @@ import json
 from pathlib import Path
 
 from disagg.core.cost_model import CostModel, load_profile
+from disagg.sim import latency_study
 from disagg.sim.runner import compare, find_saturation
 from disagg.sim.simulator import Topology
 from disagg.sim.traces import read_trace
 
-STUDIES = ("width", "noise", "miscalibration", "sizing")
+STUDIES = ("width", "noise", "miscalibration", "sizing", "latency-routing")
 BASELINES = ["round_robin", "least_loaded", "length_heuristic", "marginal_cost"]
 
 
@@ -36,6 +39,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tight-share", type=float, default=0.5)
     ap.add_argument("--goodput-target", type=float, default=0.9, help="sizing: goodput to reach")
     ap.add_argument("--json", help="also write the rows as JSON")
+    latency_study.add_arguments(ap)
 
 
 def scaled_decode(cm: CostModel, factor: float) -> CostModel:
@@ -50,6 +54,8 @@ def scaled_decode(cm: CostModel, factor: float) -> CostModel:
 def main(args) -> int:
     from disagg.cli import UsageError, resolve_trace, write_json_atomic, _clean
 
+    if args.name == "latency-routing":
+        return latency_study.main(args)
     cm = load_profile(args.cost_model)
     try:
         base = Topology.parse(args.topology)
