@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from time import perf_counter
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Protocol, Sequence
 
@@ -267,6 +268,7 @@ class FleetResult:
     preemptions: int
     makespan_s: float
     queries_per_instance: dict[str, int]
+    decision_us: list[float]  # wall time of each router.choose call (the whole decision, all candidates)
 
 
 class _Flight:
@@ -323,6 +325,7 @@ def simulate_fleet(
         push(r.arrival_s, _ARRIVAL, ("arrive", i, r))
     records: list[QueryRecord] = []
     per_instance = dict.fromkeys(ids, 0)
+    decision_us: list[float] = []
     now = 0.0
     while heap:
         now, _, _, ev = heapq.heappop(heap)
@@ -344,7 +347,9 @@ def simulate_fleet(
         predicted = predictor.predict(r.prompt_tokens, slo)
         view = [(m, snaps.view(k, now)) for k, m in enumerate(fleet)]
         try:
+            t0 = perf_counter()
             routed = router.choose(view, r.prompt_tokens, predicted, limit, now)
+            decision_us.append((perf_counter() - t0) * 1e6)
         except NoCapacity as e:
             records.append(QueryRecord(f"r{i}", r.arrival_s, r.prompt_tokens, r.output_tokens, predicted, slo.value,
                                        limit, None, None, None, None, None, str(e)))
@@ -360,7 +365,7 @@ def simulate_fleet(
         per_instance[fleet[k].instance_id] += 1
         poke(k, now)
     records.sort(key=lambda rec: int(rec.request_id[1:]))
-    return FleetResult(records, sum(e.preemptions for e in engines), now, per_instance)
+    return FleetResult(records, sum(e.preemptions for e in engines), now, per_instance, decision_us)
 
 
 def _record(f: _Flight, inst: ModelInstance, t_first: float) -> QueryRecord:

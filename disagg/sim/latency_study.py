@@ -24,7 +24,8 @@ Figures per (router, λ, seed), medians over seeds with min–max spread:
   time (by the router, or for `accuracy_cost` on the same snapshot for measurement) vs the TTFT
   the query got: MAPE, median APE and mean signed error. A second table separates the sources:
   the 50 ms poll (as deployed), the exact engine state (prediction error only), and the naive
-  remaining-output rule (see disagg.sim.latency_sim.remaining_output).
+  remaining-output rule (see disagg.sim.latency_sim.remaining_output);
+- the decision's cost: wall µs per router call (all candidates), p50 and p99, on this machine.
 `load_balance` does not depend on λ: it runs once per seed and its utility is evaluated at each λ.
 """
 
@@ -41,7 +42,7 @@ from disagg.core.latency_routing import ModelInstance
 from disagg.core.utility import AccuracyTable, ModelPrices, cost_estimate
 from disagg.sim.latency_sim import (
     ROUTERS,
-    QueryRecord,
+    FleetResult,
     build_router,
     make_fleet,
     naive_remaining_output,
@@ -51,6 +52,7 @@ from disagg.sim.latency_sim import (
     simulate_fleet,
 )
 from disagg.sim.synthetic_accuracy import synthetic_evaluations, true_accuracy
+from disagg.sim.metrics import percentile
 from disagg.sim.traces import TraceRequest, assign_slo_classes, rescale_to_rate
 
 PRICES = {"small": ModelPrices(0.10e-6, 0.30e-6), "large": ModelPrices(0.30e-6, 0.90e-6)}
@@ -85,6 +87,8 @@ class RunFigures:
     median_ape: float
     bias: float
     failed: int
+    decision_us_p50: float
+    decision_us_p99: float
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -94,9 +98,9 @@ def fleet_models(cm: CostModel, large_scale: float) -> dict:
     return {"small": (cm.engine, PRICES["small"]), "large": (scaled_constants(cm.engine, large_scale), PRICES["large"])}
 
 
-def figures(records: Sequence[QueryRecord], fleet: Sequence[ModelInstance], router: str, lam: float,
-            seed: int) -> RunFigures:
+def figures(result: FleetResult, fleet: Sequence[ModelInstance], router: str, lam: float, seed: int) -> RunFigures:
     """The run's figures (see the module docstring); a failed query scores accuracy 0 and cost 0."""
+    records = result.records
     prices = {m.model: m.prices for m in fleet}
     n = len(records)
     acc = cost = 0.0
@@ -114,7 +118,8 @@ def figures(records: Sequence[QueryRecord], fleet: Sequence[ModelInstance], rout
             apes.append(abs(e))
     return RunFigures(router, lam, seed, (acc - lam * cost) / n, sum(r.met_limit for r in records) / n, acc / n,
                       1000 * cost / n, large / n, statistics.fmean(apes), statistics.median(apes),
-                      statistics.fmean(errs), sum(r.model is None for r in records))
+                      statistics.fmean(errs), sum(r.model is None for r in records),
+                      percentile(result.decision_us, 50), percentile(result.decision_us, 99))
 
 
 def seed_slice(trace: Sequence[TraceRequest], n: int, seed: int, rate: float, tight_share: float) -> list[TraceRequest]:
@@ -138,18 +143,18 @@ def run_study(trace: Sequence[TraceRequest], cm: CostModel, *, fleet_spec: str, 
     for seed in seeds:
         queries = seed_slice(trace, max_requests, seed, rate, tight_share)
         table = accuracy or AccuracyTable().train(synthetic_evaluations(EVALUATION_ROWS_PER_MODEL, seed))
-        lb = simulate_fleet(queries, fleet, build_router("load_balance", 0.0, table), limit).records
+        lb = simulate_fleet(queries, fleet, build_router("load_balance", 0.0, table), limit)
         for lam in lambdas:
             runs.append(figures(lb, fleet, "load_balance", lam, seed))
             for name in ("latency_aware", "accuracy_cost"):
-                recs = simulate_fleet(queries, fleet, build_router(name, lam, table), limit).records
-                runs.append(figures(recs, fleet, name, lam, seed))
+                res = simulate_fleet(queries, fleet, build_router(name, lam, table), limit)
+                runs.append(figures(res, fleet, name, lam, seed))
         for label, poll, rem in (("50 ms poll (as deployed)", 0.05, remaining_output),
                                  ("exact engine state", None, remaining_output),
                                  ("50 ms poll, naive remaining output", 0.05, naive_remaining_output)):
-            recs = simulate_fleet(queries, fleet, build_router("latency_aware", est_lam, table), limit,
-                                  poll_interval_s=poll, remaining=rem).records
-            f = figures(recs, fleet, "latency_aware", est_lam, seed)
+            res = simulate_fleet(queries, fleet, build_router("latency_aware", est_lam, table), limit,
+                                 poll_interval_s=poll, remaining=rem)
+            f = figures(res, fleet, "latency_aware", est_lam, seed)
             estimator.append({"snapshot": label, "seed": seed, "lam": est_lam, "mape": f.mape,
                               "median_ape": f.median_ape, "bias": f.bias, "attainment": f.attainment})
     return {"fleet": [{"instance": m.instance_id, "model": m.model, **m.constants.model_dump(),
@@ -174,7 +179,8 @@ def summary_rows(result: dict) -> list[dict]:
         for router in ROUTERS:
             rs = [r for r in result["runs"] if r["router"] == router and r["lam"] == lam]
             row = {"lam": lam, "router": router}
-            for k in ("utility", "attainment", "accuracy", "cost_per_1k", "large_share", "mape"):
+            for k in ("utility", "attainment", "accuracy", "cost_per_1k", "large_share", "mape", "decision_us_p50",
+                      "decision_us_p99"):
                 row[k], row[f"{k}_min"], row[f"{k}_max"] = _med([r[k] for r in rs])
             rows.append(row)
     return rows
@@ -202,12 +208,12 @@ def markdown(result: dict) -> str:
     ns = len(result["seeds"])
     spread = " (min–max over seeds)" if ns > 1 else ""
     out = [f"| λ | router | utility{spread} | TTFT attainment{spread} | accuracy | cost $/1k queries | "
-           f"large-model share | estimator MAPE |",
-           "|---:|---|---:|---:|---:|---:|---:|---:|"]
+           f"large-model share | estimator MAPE | decision µs p50 / p99 |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary_rows(result):
         out.append(f"| {r['lam']:g} | {r['router']} | {_spread(r, 'utility', '.3f', ns)} | "
                    f"{_spread(r, 'attainment', '.3f', ns)} | {r['accuracy']:.3f} | {r['cost_per_1k']:.3f} | "
-                   f"{r['large_share']:.2f} | {r['mape']:.1%} |")
+                   f"{r['large_share']:.2f} | {r['mape']:.1%} | {r['decision_us_p50']:.0f} / {r['decision_us_p99']:.0f} |")
     out += ["", f"Estimator error, `latency_aware` at λ = {result['estimator'][0]['lam']:g}{spread}:", "",
             "| router's snapshot | MAPE | median APE | mean signed error | TTFT attainment |",
             "|---|---:|---:|---:|---:|"]
