@@ -3,6 +3,10 @@
     router (ingress, FastAPI) ──handle──▶ prefill pool (engine replicas)
                               └─handle──▶ decode pool  (engine replicas)
 
+or, for a colocated pool, one handle to engines that prefill and decode. With several models
+(`MultiModelConfig`), each model gets its own pools, named `<served name>-prefill` /
+`-decode` / `-colocated`, and the one router holds a handle to every pool.
+
 The Serve config file points its application's `import_path` at `disagg.graph.app:build_app`
 and puts our configuration (`disagg.graph.config.AppConfig`) under `args`. The same function
 builds the production GPU graph (deployments/disagg.yaml) and the CPU profile
@@ -15,7 +19,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from disagg.core.types import Role
-from disagg.graph.config import AppConfig, ConfigError, PoolConfig, parse_args
+from disagg.graph.config import AppConfig, ConfigError, MultiModelConfig, PoolConfig, parse_args
 from disagg.graph.engine_server import EngineServer
 from disagg.graph.router import Router
 
@@ -41,19 +45,39 @@ def _pool_options(name: str, pool: PoolConfig, engine_device: str) -> dict:
     return opts
 
 
+# pool name in the config → the role its engines play
+POOL_ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE, "colocated": Role.BOTH}
+
+
+def _engine_pools(cfg: AppConfig, prefix: str = "") -> dict[str, serve.Application]:
+    """Role value → the bound engine deployment of each of this model's pools."""
+    plain = cfg.model_dump(mode="json")
+    engine = serve.deployment(EngineServer)
+    return {POOL_ROLES[name].value: engine.options(**_pool_options(prefix + name, pool, cfg.engine.device))
+            .bind(plain, POOL_ROLES[name].value)
+            for name, pool in cfg.pools().items()}
+
+
 def build_app(args: dict) -> serve.Application:
     """Validate `args` (raising ConfigError naming the field) and return the application."""
     if not isinstance(args, dict):
         raise ConfigError(f"the application's args must be a mapping, got {type(args).__name__}")
-    cfg: AppConfig = parse_args(args, prefix=("args",))
-    plain = cfg.model_dump(mode="json")
-    engine = serve.deployment(EngineServer)
-    prefill = engine.options(**_pool_options("prefill", cfg.prefill, cfg.engine.device)).bind(plain, Role.PREFILL.value)
-    decode = engine.options(**_pool_options("decode", cfg.decode, cfg.engine.device)).bind(plain, Role.DECODE.value)
-    router = serve.deployment(Router).options(
+    cfg = parse_args(args, prefix=("args",))
+    if isinstance(cfg, MultiModelConfig):
+        pools = {m.model.served_name: _engine_pools(m.app_config(cfg.router), f"{m.deployment_prefix}-")
+                 for m in cfg.models}
+        return _router(cfg.router.num_cpus).bind(None, None, cfg.model_dump(mode="json"), pools)
+    pools = _engine_pools(cfg)
+    if cfg.is_colocated:
+        return _router(cfg.router.num_cpus).bind(None, None, cfg.model_dump(mode="json"), {cfg.model.served_name: pools})
+    return _router(cfg.router.num_cpus).bind(pools[Role.PREFILL.value], pools[Role.DECODE.value],
+                                             cfg.model_dump(mode="json"))
+
+
+def _router(num_cpus: float):
+    return serve.deployment(Router).options(
         name="router",
         num_replicas=1,
         max_ongoing_requests=4096,
-        ray_actor_options={"num_cpus": cfg.router.num_cpus},
+        ray_actor_options={"num_cpus": num_cpus},
     )
-    return router.bind(prefill, decode, plain)

@@ -4,19 +4,30 @@
 validates it here before any replica starts. `disagg check-config FILE` runs the same validation
 on a whole Serve config file and reports `file:line: field '...'` for every problem.
 
+Two shapes of `args`:
+- one model (`AppConfig`): `model`, `engine`, its engine pools, `router`. The pools are either
+  disaggregated (`prefill` + `decode`) or `colocated` (one pool of engines doing both);
+- several models behind one endpoint (`MultiModelConfig`, recognised by its `models` list): each
+  entry is one model with its own engines, pools, P/D policy, cost model, prices and accuracy
+  prior; `router` adds the alias (default `auto`) that routes by accuracy − λ·cost under each
+  query's TTFT limit across every instance of every model. Each entry is served exactly like a
+  one-model app: `ModelEntry.app_config` gives its `AppConfig` view.
+
 Pure pydantic: importing this module needs neither Ray nor vLLM, so configs are checked anywhere.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from disagg.core.policies import PolicyError, build_policy
-from disagg.core.cost_model import CostModelError, load_profile
+from disagg.core.cost_model import CostModel, CostModelError, load_profile
 from disagg.core.types import SloClass
+from disagg.core.utility import AccuracyTable, EvaluationError, ModelPrices
 from disagg.core.yaml_errors import explain, read_yaml, yaml_root
 
 
@@ -88,10 +99,18 @@ class PoolConfig(_Strict):
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for this pool's replicas")
 
 
+def load_cost_model(source: str | dict) -> CostModel:
+    """A shipped profile name, a cost-model YAML path, or the cost model itself given inline."""
+    if isinstance(source, dict):
+        return CostModel.from_dict(source)
+    return load_profile(source)
+
+
 class RouterConfig(_Strict):
-    policy: str = "marginal_cost"
+    policy: str = Field(default="marginal_cost", description="P/D policy; 'colocated' for a colocated pool")
     policy_params: dict[str, Any] = Field(default_factory=dict)
-    cost_model: str = Field(default="cpu-tiny", description="shipped profile name or a cost-model YAML path")
+    cost_model: str | dict[str, Any] = Field(default="cpu-tiny", description="shipped profile name, a "
+                                             "cost-model YAML path, or the cost model inline")
     poll_interval_s: float = Field(default=0.05, gt=0, le=10, description="engine state poll period")
     default_slo: SloClass = SloClass.LOOSE
     request_log: str | None = Field(default=None, description="JSON-lines file, one record per request")
@@ -100,46 +119,210 @@ class RouterConfig(_Strict):
 
 
 class AppConfig(_Strict):
+    """One model: its engines in a disaggregated (`prefill` + `decode`) or a `colocated` layout."""
+
     model: ModelConfig
     engine: EngineConfig
-    prefill: PoolConfig
-    decode: PoolConfig
+    prefill: PoolConfig | None = Field(default=None, description="prefill pool (disaggregated layout)")
+    decode: PoolConfig | None = Field(default=None, description="decode pool (disaggregated layout)")
+    colocated: PoolConfig | None = Field(default=None, description="one pool of engines that prefill and "
+                                         "decode (instead of prefill + decode)")
     router: RouterConfig = Field(default_factory=RouterConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _colocated_policy_default(cls, data: Any) -> Any:
+        # a colocated pool has one routing choice per request; 'colocated' is the policy that makes it
+        if isinstance(data, dict) and data.get("colocated") is not None:
+            router = data.get("router") or {}
+            if isinstance(router, dict) and "policy" not in router:
+                data = {**data, "router": {**router, "policy": "colocated"}}
+        return data
+
+    @property
+    def is_colocated(self) -> bool:
+        return self.colocated is not None
+
+    def pools(self) -> dict[str, PoolConfig]:
+        """Pool name → pool, in the graph's order: prefill, decode — or colocated."""
+        if self.colocated is not None:
+            return {"colocated": self.colocated}
+        return {"prefill": self.prefill, "decode": self.decode}
 
     @model_validator(mode="after")
     def _cross_field(self) -> "AppConfig":
-        for name in ("prefill", "decode"):
-            pool: PoolConfig = getattr(self, name)
+        if self.colocated is not None and (self.prefill is not None or self.decode is not None):
+            raise ValueError("colocated: give either a colocated pool or prefill + decode pools, not both")
+        if self.colocated is None:
+            for name in ("prefill", "decode"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"{name}: missing (a disaggregated app needs prefill and decode pools; "
+                                     "or give one 'colocated' pool instead)")
+        for name, pool in self.pools().items():
             if self.engine.device == "cuda" and pool.num_gpus < 1:
                 raise ValueError(f"{name}.num_gpus must be >= 1 with engine.device 'cuda' (one GPU per engine)")
             if self.engine.device == "cpu" and pool.num_gpus:
                 raise ValueError(f"{name}.num_gpus must be 0 with engine.device 'cpu'")
         try:
-            cm = load_profile(self.router.cost_model)
-            build_policy(self.router.policy, cm, self.router.policy_params)
-        except (PolicyError, CostModelError) as e:
-            raise ValueError(f"router: {e}") from None
+            cm = load_cost_model(self.router.cost_model)
+        except CostModelError as e:
+            raise ValueError(f"router.cost_model: {e}") from None
+        try:
+            policy = build_policy(self.router.policy, cm, self.router.policy_params)
+        except PolicyError as e:
+            raise ValueError(f"router.policy: {e}") from None
         if cm.calibrated and cm.model and cm.model != self.model.source:
-            raise ValueError(f"router.cost_model {self.router.cost_model!r} was calibrated for model {cm.model!r}; "
+            raise ValueError(f"router.cost_model {cm.name!r} was calibrated for model {cm.model!r}; "
                              f"this config serves {self.model.source!r}")
-        if build_policy(self.router.policy, cm, self.router.policy_params).simulator_only:
+        if policy.simulator_only:
             raise ValueError(f"router.policy {self.router.policy!r} runs in the simulator only")
+        if self.colocated is not None and self.router.policy != "colocated":
+            raise ValueError(f"router.policy {self.router.policy!r} needs a prefill pool; a colocated pool is "
+                             "routed with policy 'colocated'")
         return self
+
+
+# --- several models behind one endpoint ------------------------------------------------------
+
+
+class PricesConfig(_Strict):
+    """Price per token in one currency unit of your choice; λ is per that unit."""
+
+    input_per_token: float = Field(ge=0.0, allow_inf_nan=False)
+    output_per_token: float = Field(ge=0.0, allow_inf_nan=False)
+
+    def to_core(self) -> ModelPrices:
+        return ModelPrices(self.input_per_token, self.output_per_token)
+
+
+class ModelEntry(_Strict):
+    """One model of a multi-model app: served by its own pools exactly as a one-model app."""
+
+    model: ModelConfig
+    engine: EngineConfig
+    prefill: PoolConfig | None = None
+    decode: PoolConfig | None = None
+    colocated: PoolConfig | None = None
+    policy: str | None = Field(default=None, description="P/D policy for requests naming this model; default "
+                               "marginal_cost (disaggregated) or colocated")
+    policy_params: dict[str, Any] = Field(default_factory=dict)
+    cost_model: str | dict[str, Any] = Field(default="cpu-tiny", description="this model's engine constants: "
+                                             "shipped profile, calibrated YAML path, or inline")
+    prices: PricesConfig
+    accuracy_prior: float = Field(ge=0.0, le=1.0, description="expected score in [0, 1] when the accuracy "
+                                  "table has no history for this model")
+
+    @property
+    def deployment_prefix(self) -> str:
+        """Serve deployment names of this model's pools: its served name, made name-safe."""
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.model.served_name)
+
+    def app_config(self, router: "MultiRouterConfig") -> AppConfig:
+        return AppConfig.model_validate(self._app_dict(router))
+
+    def _app_dict(self, router: "MultiRouterConfig") -> dict:
+        policy = self.policy or ("colocated" if self.colocated is not None else "marginal_cost")
+        rc = {"policy": policy, "policy_params": self.policy_params, "cost_model": self.cost_model,
+              "poll_interval_s": router.poll_interval_s, "default_slo": router.default_slo,
+              "num_cpus": router.num_cpus, "prefill_retries": router.prefill_retries}
+        d = {"model": self.model, "engine": self.engine, "router": rc}
+        for name in ("prefill", "decode", "colocated"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
+        return d
+
+
+class MultiRouterConfig(_Strict):
+    alias: str = Field(default="auto", min_length=1, description="the `model` name that lets the router choose "
+                       "the model by accuracy − λ·cost under the query's TTFT limit")
+    lam: float = Field(default=0.0, ge=0.0, allow_inf_nan=False, description="default λ (per currency unit of "
+                       "the prices); a request may override it with X-Route-Lambda")
+    accuracy_table: str | None = Field(default=None, description="saved AccuracyTable JSON (`disagg` accuracy "
+                                       "train); without it each model answers its accuracy_prior")
+    poll_interval_s: float = Field(default=0.05, gt=0, le=10, description="engine state poll period")
+    default_slo: SloClass = SloClass.LOOSE
+    request_log: str | None = Field(default=None, description="JSON-lines file, one record per request")
+    num_cpus: float = Field(default=0.1, ge=0)
+    prefill_retries: int = Field(default=1, ge=0, description="other prefill instances tried after a failure")
+
+
+class MultiModelConfig(_Strict):
+    models: list[ModelEntry] = Field(min_length=1)
+    router: MultiRouterConfig = Field(default_factory=MultiRouterConfig)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "MultiModelConfig":
+        seen: dict[str, int] = {}
+        prefixes: dict[str, int] = {}
+        for i, m in enumerate(self.models):
+            name = m.model.served_name
+            if name in seen:
+                raise ValueError(f"models.{i}.model.served_name: {name!r} is already served by models.{seen[name]}")
+            seen[name] = i
+            if m.deployment_prefix in prefixes:
+                raise ValueError(f"models.{i}.model.served_name: {name!r} gives the same deployment names as "
+                                 f"models.{prefixes[m.deployment_prefix]}")
+            prefixes[m.deployment_prefix] = i
+            _check_entry(i, m, self.router)
+        if self.router.alias in seen:
+            raise ValueError(f"router.alias: {self.router.alias!r} is also a served model name (models."
+                             f"{seen[self.router.alias]}); the alias must differ from every model")
+        if self.router.accuracy_table is not None:
+            try:
+                AccuracyTable.load(self.router.accuracy_table)
+            except EvaluationError as e:
+                raise ValueError(f"router.accuracy_table: {e}") from None
+        return self
+
+    def app_configs(self) -> dict[str, AppConfig]:
+        """Served name → that model's one-model view."""
+        return {m.model.served_name: m.app_config(self.router) for m in self.models}
+
+    def accuracy(self) -> AccuracyTable:
+        """The accuracy estimator: the saved table if given, with every model's prior filled in."""
+        priors = {m.model.served_name: m.accuracy_prior for m in self.models}
+        if self.router.accuracy_table is None:
+            return AccuracyTable(priors=priors)
+        table = AccuracyTable.load(self.router.accuracy_table)
+        table.priors = {**priors, **table.priors}  # the table's own priors win: they were fitted with it
+        return table
+
+
+def _check_entry(i: int, m: ModelEntry, router: MultiRouterConfig) -> None:
+    """Validate one model's one-model view; errors name the field under models.<i>."""
+    try:
+        m.app_config(router)
+    except ValidationError as e:
+        first = e.errors()[0]
+        msg = first["msg"].removeprefix("Value error, ")
+        loc = ".".join(str(p) for p in first["loc"])
+        # the view's router.policy / router.cost_model are this entry's own policy / cost_model
+        msg = msg.replace("router.policy", "policy").replace("router.cost_model", "cost_model")
+        raise ValueError(f"models.{i}.{loc}: {msg}" if loc else f"models.{i}.{msg}") from None
 
 
 class ConfigError(ValueError):
     """A configuration that cannot be served; the message names file, line and field."""
 
 
-def parse_args(args: dict, path: Path | None = None, prefix: tuple = ()) -> AppConfig:
+def is_multi_model(args: Any) -> bool:
+    return isinstance(args, dict) and "models" in args
+
+
+def parse_args(args: dict, path: Path | None = None, prefix: tuple = ()) -> AppConfig | MultiModelConfig:
+    """`args` of one application: a one-model `AppConfig`, or a `MultiModelConfig` when it lists `models`."""
     try:
-        return AppConfig.model_validate(args)
+        return (MultiModelConfig if is_multi_model(args) else AppConfig).model_validate(args)
     except ValidationError as e:
         raise ConfigError(explain(e, path, yaml_root(path) if path else None, prefix)) from None
 
 
 def load_serve_config(path: str | Path) -> list[tuple[str, AppConfig]]:
-    """Validate every application of a Serve config file that our `build_app` builds."""
+    """Validate every application of a Serve config file that our `build_app` builds.
+
+    One entry per served model: a one-model app as itself, a multi-model app as one entry per
+    model, named `<app>/<served name>` (each model is calibrated and served like a one-model app).
+    """
     path = Path(path)
     doc = read_yaml(path, ConfigError, "Serve config")
     apps = doc.get("applications") if isinstance(doc, dict) else None
@@ -152,7 +335,12 @@ def load_serve_config(path: str | Path) -> list[tuple[str, AppConfig]]:
         args = app.get("args")
         if not isinstance(args, dict):
             raise ConfigError(f"{path}: field 'applications.{i}.args': missing (the application's configuration)")
-        out.append((app.get("name", f"app{i}"), parse_args(args, path, ("applications", i, "args"))))
+        name = app.get("name", f"app{i}")
+        cfg = parse_args(args, path, ("applications", i, "args"))
+        if isinstance(cfg, MultiModelConfig):
+            out.extend((f"{name}/{served}", view) for served, view in cfg.app_configs().items())
+        else:
+            out.append((name, cfg))
     if not out:
         raise ConfigError(f"{path}: no application with import_path disagg.graph.app:build_app")
     return out
