@@ -34,6 +34,7 @@ RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"
 GOODPUT_PNG = "goodput.png"
 TTFT_PNG = "ttft_cdf.png"
+SIM_VS_LIVE_METRICS = ("goodput", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
 TABLE_METRICS = (("goodput", "Goodput (share of requests meeting both SLO targets)", ".3f"),
                  ("ttft_p50_s", "TTFT P50 (s)", ".3f"), ("ttft_p99_s", "TTFT P99 (s)", ".3f"),
                  ("tpot_p50_s", "TPOT P50 (s)", ".4f"), ("tpot_p99_s", "TPOT P99 (s)", ".4f"))
@@ -70,6 +71,38 @@ def summarize_runs(records: Sequence[dict], *, expected: dict[str, int], lag_bou
                 "send_lag_exceeded": bool(lags) and lag_p99 > lag_bound_s,
             })
     return runs
+
+
+def _rel_error(sim, live):
+    ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (sim, live)) and live > 0
+    return (sim - live) / live if ok else None
+
+
+def sim_vs_live(runs: Sequence[dict]) -> list[dict]:
+    """Per (policy, trace) run in both systems: the simulator's error against the live measurement.
+
+    TTFT and TPOT errors are signed relative errors of the simulated percentile against the
+    measured one ((sim − live) / live: negative = the simulator is optimistic); the goodput
+    difference is sim − live, in goodput points.
+    """
+    live = {(r["policy"], r["trace"]): r for r in runs if r["system"] == "live"}
+    rows = []
+    for r in runs:
+        m = live.get((r["policy"], r["trace"])) if r["system"] == "sim" else None
+        if m is None:
+            continue
+        rows.append({
+            "policy": r["policy"], "trace": r["trace"],
+            **{f"{k}_live": m.get(k) for k in SIM_VS_LIVE_METRICS},
+            **{f"{k}_sim": r.get(k) for k in SIM_VS_LIVE_METRICS},
+            "ttft_p50_error": _rel_error(r.get("ttft_p50_s"), m.get("ttft_p50_s")),
+            "ttft_p99_error": _rel_error(r.get("ttft_p99_s"), m.get("ttft_p99_s")),
+            "tpot_p50_error": _rel_error(r.get("tpot_p50_s"), m.get("tpot_p50_s")),
+            "tpot_p99_error": _rel_error(r.get("tpot_p99_s"), m.get("tpot_p99_s")),
+            "goodput_difference": (r["goodput"] - m["goodput"]
+                                   if r.get("goodput") is not None and m.get("goodput") is not None else None),
+        })
+    return rows
 
 
 def _top_errors(recs: Sequence[dict], n: int = 3) -> dict[str, int]:
@@ -124,6 +157,23 @@ def markdown(results: dict) -> str:
             cells = [_fmt(row.get(t), spec) for t in traces]
             mean = _fmt(row["mean"], spec) + (f" ± {_fmt(row['spread'], spec)}" if row["spread"] is not None else "")
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {mean} |")
+        lines.append("")
+    if results.get("sim_vs_live"):
+        lines += ["## Simulated vs measured", "",
+                  "Signed relative error of the simulator against the live app ((sim − live) / live; negative: "
+                  "the simulator is optimistic); goodput as sim − live.", "",
+                  "| policy | trace | TTFT p50 live → sim | error | TTFT p99 error | TPOT p50 live → sim | error "
+                  "| TPOT p99 error | goodput live → sim | difference |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        pct = lambda v: _fmt(v * 100 if v is not None else None, "+.0f") + ("%" if v is not None else "")  # noqa: E731
+        for d in results["sim_vs_live"]:
+            lines.append(
+                f"| {d['policy']} | {d['trace']} | {_fmt(d['ttft_p50_s_live'], '.3f')} → "
+                f"{_fmt(d['ttft_p50_s_sim'], '.3f')} s | {pct(d['ttft_p50_error'])} | {pct(d['ttft_p99_error'])} | "
+                f"{_fmt(d['tpot_p50_s_live'] * 1e3 if d['tpot_p50_s_live'] is not None else None, '.1f')} → "
+                f"{_fmt(d['tpot_p50_s_sim'] * 1e3 if d['tpot_p50_s_sim'] is not None else None, '.1f')} ms | "
+                f"{pct(d['tpot_p50_error'])} | {pct(d['tpot_p99_error'])} | {_fmt(d['goodput_live'], '.3f')} → "
+                f"{_fmt(d['goodput_sim'], '.3f')} | {_fmt(d['goodput_difference'], '+.3f')} |")
         lines.append("")
     lines += ["## Runs", "", "| system | policy | trace | rate req/s | requests | failed | goodput | tight | loose "
               "| TTFT p50 s | TTFT p99 s | TPOT p50 s | TPOT p99 s | send lag p99 ms |",
@@ -286,6 +336,7 @@ def write_all(bench: "Bench") -> dict:
         "gates": bench.gates, "warnings": warnings, "requests_sent": bench.sent,
         "traces": bench.slice_info, "runs": runs,
         "tables": {m: table(runs, m, traces) for m, _, _ in TABLE_METRICS},
+        "sim_vs_live": sim_vs_live(runs),
         "send_lag_bound_s": cfg.lag_bound_s, "generator_realtime": cfg.realtime,
     }
     results = _finite(results)

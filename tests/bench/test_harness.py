@@ -264,6 +264,14 @@ def test_live_and_sim_in_one_command_share_the_slices_and_the_table(tmp_path):
     assert list(res["tables"]["goodput"]) == ["round_robin", "least_loaded", "round_robin (sim)", "least_loaded (sim)"]
     assert res["resolved"]["topology"] == "1P2D"  # taken from the stub's /admin/state
     assert all(r["send_lag_p99_s"] is not None for r in res["runs"] if r["system"] == "live")
+    # the sim-vs-live rows are computed from the same runs the table shows
+    runs = {(r["system"], r["policy"]): r for r in res["runs"]}
+    assert [d["policy"] for d in res["sim_vs_live"]] == ["round_robin", "least_loaded"]
+    for d in res["sim_vs_live"]:
+        live, sim = runs[("live", d["policy"])], runs[("sim", d["policy"])]
+        assert d["ttft_p50_error"] == pytest.approx((sim["ttft_p50_s"] - live["ttft_p50_s"]) / live["ttft_p50_s"])
+        assert d["goodput_difference"] == pytest.approx(sim["goodput"] - live["goodput"])
+    assert "## Simulated vs measured" in (tmp_path / "o" / "results.md").read_text()
 
 
 # --- planning and the saturation rule ----------------------------------------------------------
