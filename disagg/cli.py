@@ -298,13 +298,17 @@ def cmd_tiny_model(args) -> int:
 
 def cmd_bench(args) -> int:
     """`disagg bench`: policies against the live app and/or the simulator (disagg/bench/harness.py)."""
-    from disagg.bench.harness import BenchConfig, BenchError, GateFailed, run_bench
+    from disagg.bench.harness import BenchConfig, BenchError, GateFailed, parse_baseline, run_bench
 
     if args.url is None and not args.sim:
         raise UsageError("give --url (the live app) and/or --sim")
     if args.rate is not None and args.rate <= 0:
         raise UsageError(f"--rate must be > 0, got {args.rate}")
     traces = [str(resolve_trace(t)) for spec in args.trace for t in spec.split(",") if t.strip()]
+    try:
+        baselines = tuple(parse_baseline(b) for b in args.baseline)
+    except BenchError as e:
+        raise UsageError(str(e)) from None
     cfg = BenchConfig(
         out=Path(args.out), traces=tuple(traces), policies=tuple(parse_policies(args.policies)),
         url=args.url.rstrip("/") if args.url else None, fmt=args.format, rate=args.rate,
@@ -313,6 +317,7 @@ def cmd_bench(args) -> int:
         topology=args.topology, max_model_len=args.max_model_len, request_timeout_s=args.request_timeout,
         lag_bound_s=args.lag_bound_ms / 1e3, probe_requests=args.probe_requests,
         probe_seconds=args.probe_seconds, probe_iterations=args.probe_iterations, realtime=args.realtime,
+        baselines=baselines,
     )
     try:
         results = run_bench(cfg, progress=lambda total, label: Progress(total, label))
@@ -441,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--realtime", action="store_true",
                        help="run the load generator under SCHED_FIFO (needs root) so a busy app cannot delay its "
                             "sends; recommended when the app shares the machine's cores")
+    bench.add_argument("--baseline", action="append", default=[], metavar="NAME=URL",
+                       help="another OpenAI-compatible system on the same trace slices, run after our policies on "
+                            "every trace (repeatable), e.g. ray_serve_llm=http://127.0.0.1:8000/raylm")
     bench.set_defaults(func=cmd_bench)
 
     tm = sub.add_parser("tiny-model", help="build the offline tiny model (idempotent)")

@@ -62,6 +62,7 @@ and a difference is reported as a warning in results.json.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -127,6 +128,9 @@ class BenchConfig:
     max_connections: int = 4096
     gates: bool = True
     realtime: bool = False  # the generator under SCHED_FIFO (see loadgen.realtime_priority)
+    # other OpenAI-compatible systems on the same engines and trace: (name, base URL), e.g.
+    # ("ray_serve_llm", "http://127.0.0.1:8000/raylm"); each runs after our policies on every trace
+    baselines: tuple[tuple[str, str], ...] = ()
 
     @property
     def live(self) -> bool:
@@ -235,7 +239,7 @@ def to_request_record(rec: dict) -> RequestRecord:
 
 
 def live_record(res: ClientResult, *, policy: str, trace: str, req: TraceRequest, cm: CostModel,
-                rate: float) -> dict:
+                rate: float, system: str = LIVE) -> dict:
     """One live request as a JSON line; the RequestRecord fields plus the client's own figures."""
     slo = SloClass(res.slo_class) if res.slo_class else SloClass.LOOSE
     target = cm.target(slo)
@@ -250,7 +254,7 @@ def live_record(res: ClientResult, *, policy: str, trace: str, req: TraceRequest
         predicted_output_tokens=None, ttft_s=res.ttft_s, tpot_s=res.tpot_s, e2e_s=res.e2e_s, slo_met=met,
         error=res.error,
     ).as_dict()
-    return {"system": LIVE, "policy": policy, "trace": trace, "index": res.index, **rec,
+    return {"system": system, "policy": policy, "trace": trace, "index": res.index, **rec,
             "max_tokens": res.max_tokens, "rate": rate, "sent_s": res.sent_s, "send_lag_s": res.send_lag_s,
             "status": res.status, "route": route}
 
@@ -421,6 +425,7 @@ def check_config(cfg: BenchConfig) -> tuple[CostModel, list[TraceInput]]:
             raise BenchError(str(e)) from None
     if cfg.url is not None and not cfg.url.startswith(("http://", "https://")):
         raise BenchError(f"--url must be an http:// URL, got {cfg.url!r}")
+    check_baselines(cfg)
     cm = load_profile(cfg.cost_model)  # CostModelError names the file and field
     if not cfg.traces:
         raise BenchError("give at least one --trace")
@@ -438,6 +443,29 @@ def check_config(cfg: BenchConfig) -> tuple[CostModel, list[TraceInput]]:
     return cm, traces
 
 
+def check_baselines(cfg: BenchConfig) -> None:
+    names = [n for n, _ in cfg.baselines]
+    if cfg.baselines and not cfg.live:
+        raise BenchError("--baseline needs --url: baselines run beside the live app, on its rates and gates")
+    for name, url in cfg.baselines:
+        if not name or not all(ch.isalnum() or ch in "_-" for ch in name):
+            raise BenchError(f"--baseline name {name!r}: use letters, digits, '_' and '-' (NAME=URL)")
+        if name in (LIVE, SIM) or name in known_policies(True):
+            raise BenchError(f"--baseline name {name!r} is taken (a system or policy name); pick another")
+        if not url.startswith(("http://", "https://")):
+            raise BenchError(f"--baseline {name}: the URL must be http://..., got {url!r}")
+    if len(set(names)) != len(names):
+        raise BenchError(f"--baseline lists a name twice: {','.join(names)}")
+
+
+def parse_baseline(text: str) -> tuple[str, str]:
+    """`NAME=URL` from the command line."""
+    name, sep, url = text.partition("=")
+    if not sep:
+        raise BenchError(f"--baseline {text!r}: expected NAME=URL, e.g. ray_serve_llm=http://127.0.0.1:8000/raylm")
+    return name.strip(), url.strip().rstrip("/")
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -452,7 +480,8 @@ def settings_of(cfg: BenchConfig, cm: CostModel, traces: Sequence[TraceInput]) -
     return {
         "version": SETTINGS_VERSION, "live": cfg.live, "sim": cfg.sim,
         "traces": [{"name": t.name, "sha256": t.sha256} for t in traces],
-        "policies": list(cfg.policies), "rate": cfg.rate, "saturation": cfg.saturation,
+        "policies": list(cfg.policies), "baselines": [{"name": n, "url": u} for n, u in cfg.baselines],
+        "rate": cfg.rate, "saturation": cfg.saturation,
         "duration_s": cfg.duration_s, "max_requests": cfg.max_requests, "tight_share": cfg.tight_share,
         "seed": cfg.seed, "cost_model": {"name": cm.name, "sha256": cm_hash},
         "topology": cfg.topology, "max_model_len": cfg.max_model_len if not cfg.live else None,
@@ -536,25 +565,61 @@ async def reset_prefix_cache(client: httpx.AsyncClient) -> None:
 # --- gates -------------------------------------------------------------------------------------
 
 
+def _gate_request(seed: int, i: int, prompt: int, max_tokens: int, stream: str) -> PlannedRequest:
+    return PlannedRequest(index=i, at_s=0.0, prompt_tokens=prompt, max_tokens=max_tokens, slo_class="loose",
+                          prompt_seed=prompt_seed(seed, stream, i))
+
+
+async def token_count_gate(client: httpx.AsyncClient, model: str, seed: int, timeout_s: float,
+                           name: str = "token_count") -> dict:
+    bad = []
+    for i, n in enumerate((1, 9)):
+        r = await send_one(client, model, _gate_request(seed, i, 24, n, "gate/token_count"), timeout_s=timeout_s)
+        if r.error or r.usage_completion_tokens != n:
+            bad.append(f"max_tokens={n}: usage.completion_tokens={r.usage_completion_tokens}, "
+                       f"content events={r.content_events}, error={r.error}")
+    return {"name": name, "passed": not bad, "requests": 2,
+            "detail": "; ".join(bad) or "ignore_eos + max_tokens=N gave exactly N completion tokens (N=1, 9)"}
+
+
+async def baseline_gates(client: httpx.AsyncClient, name: str, model: str, seed: int, timeout_s: float,
+                         warm_requests: int = 8) -> list[dict]:
+    """What can be checked of a system we cannot look inside: the token-count contract, then a
+    warm-up of `warm_requests` requests (its instances are not addressable, so the greedy
+    equivalence gate and a per-pair warm-up do not apply; its prefix cache cannot be reset, and
+    the prompts it is measured on are ones it has never seen)."""
+    gates = [await token_count_gate(client, model, seed, timeout_s, name=f"{name}: token_count")]
+    if not gates[0]["passed"]:
+        return gates
+    errors = []
+    for i in range(warm_requests):
+        r = await send_one(client, model, _gate_request(seed, i, 64, 4, f"gate/warm/{name}"), timeout_s=timeout_s)
+        if r.error:
+            errors.append(r.error)
+    gates.append({"name": f"{name}: warm", "passed": not errors, "requests": warm_requests,
+                  "detail": (f"{warm_requests} warm-up requests" + (f"; errors: {errors[:2]}" if errors else ""))})
+    return gates
+
+
+async def baseline_model(client: httpx.AsyncClient, name: str, url: str) -> str:
+    try:
+        r = await client.get("/v1/models", timeout=10.0)
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise BenchError(f"baseline {name}: {url}/v1/models gave no model ({type(e).__name__}: {e})") from None
+
+
 async def run_gates(client: httpx.AsyncClient, target: Target, seed: int, timeout_s: float) -> list[dict]:
     """The three correctness gates, in order, up to the first that fails; each a dict with name,
     passed, detail and the number of requests it sent."""
     gates = []
 
-    def req(i: int, prompt: int, max_tokens: int, stream: str, slo: str | None = "loose") -> PlannedRequest:
-        return PlannedRequest(index=i, at_s=0.0, prompt_tokens=prompt, max_tokens=max_tokens, slo_class=slo,
-                              prompt_seed=prompt_seed(seed, stream, i))
+    def req(i: int, prompt: int, max_tokens: int, stream: str) -> PlannedRequest:
+        return _gate_request(seed, i, prompt, max_tokens, stream)
 
     # 1. token-count contract
-    bad = []
-    for i, n in enumerate((1, 9)):
-        r = await send_one(client, target.model, req(i, 24, n, "gate/token_count"), timeout_s=timeout_s)
-        if r.error or r.usage_completion_tokens != n:
-            bad.append(f"max_tokens={n}: usage.completion_tokens={r.usage_completion_tokens}, "
-                       f"content events={r.content_events}, error={r.error}")
-    gates.append({"name": "token_count", "passed": not bad, "requests": 2,
-                  "detail": "; ".join(bad) or "ignore_eos + max_tokens=N gave exactly N completion tokens (N=1, 9)"})
-    if bad:  # the first failed gate stops: what follows would measure a broken app
+    gates.append(await token_count_gate(client, target.model, seed, timeout_s))
+    if not gates[-1]["passed"]:  # the first failed gate stops: what follows would measure a broken app
         return gates
 
     # 2. greedy equivalence across decode instances
@@ -700,7 +765,9 @@ class Bench:
 
     async def _live(self) -> None:
         cfg = self.cfg
-        async with ClientShards(cfg.url, timeout_s=cfg.request_timeout_s, max_connections=cfg.max_connections) as sh:
+        async with contextlib.AsyncExitStack() as stack:
+            sh = await stack.enter_async_context(
+                ClientShards(cfg.url, timeout_s=cfg.request_timeout_s, max_connections=cfg.max_connections))
             self.shards = sh
             c = sh.admin
             target = await probe_target(c, cfg.url)
@@ -729,9 +796,30 @@ class Bench:
                 await self._live_saturation(c)
                 self._plan_all(self._saturation_rates())
                 self._save_settings()
-            for policy in cfg.policies:
-                for t in self.traces:
+            baselines = {}
+            for name, url in cfg.baselines:
+                shards = await stack.enter_async_context(
+                    ClientShards(url, timeout_s=cfg.request_timeout_s, max_connections=cfg.max_connections))
+                model = await baseline_model(shards.admin, name, url)
+                if cfg.gates:
+                    self.log(f"gates for baseline {name}: token count, warm-up")
+                    gates = await baseline_gates(shards.admin, name, model, cfg.seed, cfg.request_timeout_s)
+                    self.gates += gates
+                    self.sent["gates"] += sum(g["requests"] for g in gates)
+                    from disagg.cli import write_json_atomic
+
+                    write_json_atomic(cfg.out / GATES_FILE, self.gates)
+                    failed = [g for g in gates if not g["passed"]]
+                    if failed:
+                        raise GateFailed(f"baseline {name}: correctness gate failed, nothing measured: "
+                                         + "; ".join(f"{g['name']}: {g['detail']}" for g in failed))
+                baselines[name] = (shards, model)
+            # interleaved: on every trace, each of our policies, then each baseline system
+            for t in self.traces:
+                for policy in cfg.policies:
                     await self._live_run(c, policy, t.name)
+                for name, (shards, model) in baselines.items():
+                    await self._live_run(None, name, t.name, system=name, shards=shards, model=model)
 
     async def _live_saturation(self, c: httpx.AsyncClient) -> None:
         """Find each trace's saturation rate by probing the live app (round robin, short slices)."""
@@ -760,29 +848,34 @@ class Bench:
             own = own_rate(pool[: cfg.max_requests] if cfg.max_requests else pool)
             self._store_saturation(t.name, await saturation_search_async(probe, own, cfg.probe_iterations))
 
-    async def _live_run(self, c: httpx.AsyncClient, policy: str, trace: str) -> None:
+    async def _live_run(self, c: httpx.AsyncClient | None, policy: str, trace: str, *, system: str = LIVE,
+                        shards: ClientShards | None = None, model: str | None = None) -> None:
+        """One policy of our app (`c` switches it and resets its caches) or one baseline system
+        (`c` None: its own `shards` and `model`, nothing to switch) on one trace slice."""
         s = self.slices[trace]
-        done = self.store.done(LIVE, policy, trace)
+        done = self.store.done(system, policy, trace)
         pending = [i for i in range(len(s)) if i not in done]
         if not pending:
             return
         if done:
-            self.resumed.add((LIVE, policy, trace))
+            self.resumed.add((system, policy, trace))
             self.log(f"{policy} on {trace}: resuming, {len(done)} of {len(s)} requests already recorded")
-        await set_policy(c, policy)
-        await reset_prefix_cache(c)
+        if c is not None:
+            await set_policy(c, policy)
+            await reset_prefix_cache(c)
         rate = self.slice_info[trace]["rate"]
         bar = self.progress(len(pending), f"{policy[:11]}/{trace[:8]}")
 
         def on_result(res: ClientResult) -> None:
-            self.store.append(live_record(res, policy=policy, trace=trace, req=s[res.index], cm=self.cm, rate=rate))
+            self.store.append(live_record(res, policy=policy, trace=trace, req=s[res.index], cm=self.cm, rate=rate,
+                                          system=system))
             bar(1)
 
         reqs = planned(s, trace, self.cfg.seed, pending)
-        results, stats = await run_open_loop(self.shards, self.target.model, reqs, on_result=on_result,
-                                             timeout_s=self.cfg.request_timeout_s)
+        results, stats = await run_open_loop(shards or self.shards, model or self.target.model, reqs,
+                                             on_result=on_result, timeout_s=self.cfg.request_timeout_s)
         self.sent["runs"] += len(results)
-        self.load_stats[f"{LIVE}/{policy}/{trace}"] = stats.as_dict()
+        self.load_stats[f"{system}/{policy}/{trace}"] = stats.as_dict()
 
     # sim ----------------------------------------------------------------------------------------
 

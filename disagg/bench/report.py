@@ -41,7 +41,10 @@ TABLE_METRICS = (("goodput", "Goodput (share of requests meeting both SLO target
 
 
 def row_label(system: str, policy: str) -> str:
-    return policy if system == "live" else f"{policy} (sim)"
+    """Our policies by name, their simulated runs marked, a baseline system by its own name."""
+    if system == "live":
+        return policy
+    return f"{policy} (sim)" if system == "sim" else system
 
 
 def summarize_runs(records: Sequence[dict], *, expected: dict[str, int], lag_bound_s: float,
@@ -151,7 +154,7 @@ def markdown(results: dict) -> str:
         lines.append("")
     for metric, title, spec in TABLE_METRICS:
         rows = results["tables"][metric]
-        lines += [f"## {title}", "", "| policy | " + " | ".join(traces) + " | mean ± std |",
+        lines += [f"## {title}", "", "| policy or system | " + " | ".join(traces) + " | mean ± std |",
                   "| --- | " + " | ".join("---" for _ in traces) + " | --- |"]
         for label, row in rows.items():
             cells = [_fmt(row.get(t), spec) for t in traces]
@@ -304,8 +307,8 @@ def write_all(bench: "Bench") -> dict:
     cfg = bench.cfg
     traces = [t.name for t in bench.traces]
     records = list(bench.store.records.values())
-    order = ([(LIVE, p) for p in cfg.policies] if cfg.live else []) + ([(SIM, p) for p in cfg.policies] if cfg.sim
-                                                                      else [])
+    order = (([(LIVE, p) for p in cfg.policies] if cfg.live else []) + [(n, n) for n, _ in cfg.baselines]
+             + ([(SIM, p) for p in cfg.policies] if cfg.sim else []))
     expected = {t: info["requests"] for t, info in bench.slice_info.items()}
     runs = summarize_runs(records, expected=expected, lag_bound_s=cfg.lag_bound_s, order=order, traces=traces)
     for r in runs:

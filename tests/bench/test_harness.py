@@ -235,7 +235,7 @@ def test_sim_mode_writes_results_json_markdown_and_plots(tmp_path):
     row = res["tables"]["goodput"]["marginal_cost (sim)"]
     assert row["mean"] == pytest.approx((row["chat"] + row["long"]) / 2)
     md = (out / "results.md").read_text()
-    assert "| policy | chat | long | mean ± std |" in md and "| marginal_cost (sim) |" in md
+    assert "| policy or system | chat | long | mean ± std |" in md and "| marginal_cost (sim) |" in md
     # the same per-request schema as a live run
     recs = lines(out / "requests.jsonl")
     assert len(recs) == 3 * 2 * 40
@@ -272,6 +272,48 @@ def test_live_and_sim_in_one_command_share_the_slices_and_the_table(tmp_path):
         assert d["ttft_p50_error"] == pytest.approx((sim["ttft_p50_s"] - live["ttft_p50_s"]) / live["ttft_p50_s"])
         assert d["goodput_difference"] == pytest.approx(sim["goodput"] - live["goodput"])
     assert "## Simulated vs measured" in (tmp_path / "o" / "results.md").read_text()
+
+
+def test_a_baseline_system_runs_the_same_requests_after_each_trace_and_gets_its_own_row(tmp_path):
+    trace_a, trace_b = small_trace(tmp_path / "a.csv", n=8), small_trace(tmp_path / "b.csv", n=6, gap=0.05)
+    with StubServer(first_token_s=0.01) as ours, StubServer(first_token_s=0.03, model="their-model") as theirs:
+        res = run_bench(BenchConfig(out=tmp_path / "o", traces=(str(trace_a), str(trace_b)),
+                                    policies=("round_robin", "least_loaded"), url=ours.url, rate=20.0,
+                                    baselines=(("other", theirs.url),)))
+        theirs_bodies = [c["body"] for c in theirs.completions]
+        assert theirs.admin == ["GET /v1/models"]  # nothing switched or reset on a system we cannot look inside
+    recs = lines(tmp_path / "o" / "requests.jsonl")
+    other = {(r["trace"], r["index"]): r for r in recs if r["system"] == "other"}
+    mine = {(r["trace"], r["index"]): r for r in recs if r["system"] == "live" and r["policy"] == "round_robin"}
+    assert other.keys() == mine.keys() and len(other) == 14 and all(r["policy"] == "other" for r in other.values())
+    for k in other:  # the very same requests as our policies got
+        assert (other[k]["prompt_tokens"], other[k]["max_tokens"], other[k]["arrival_s"]) == \
+               (mine[k]["prompt_tokens"], mine[k]["max_tokens"], mine[k]["arrival_s"])
+    assert all(b["model"] == "their-model" for b in theirs_bodies)
+    # its own gates (2 token-count + 8 warm-up requests), then 14 measured
+    assert [g["name"] for g in res["gates"]][-2:] == ["other: token_count", "other: warm"]
+    assert len(theirs_bodies) == 2 + 8 + 14
+    assert list(res["tables"]["goodput"]) == ["round_robin", "least_loaded", "other"]
+    assert res["requests_sent"]["runs"] == 3 * 14
+
+
+def test_baseline_names_and_urls_are_checked_before_anything_is_sent(tmp_path):
+    trace = small_trace(tmp_path / "t.csv", n=3)
+    base = dict(out=tmp_path / "o", traces=(str(trace),), policies=("round_robin",), url="http://127.0.0.1:9",
+                rate=5.0)
+    cases = [
+        ((("least_loaded", "http://x"),), "taken"),
+        ((("sim", "http://x"),), "taken"),
+        ((("a b", "http://x"),), "letters"),
+        ((("b", "ftp://x"),), "http://"),
+        ((("b", "http://x"), ("b", "http://y")), "twice"),
+    ]
+    for baselines, match in cases:
+        with pytest.raises(BenchError, match=match):
+            run_bench(BenchConfig(**base, baselines=baselines))
+    with pytest.raises(BenchError, match="needs --url"):
+        run_bench(BenchConfig(**{**base, "url": None}, sim=True, baselines=(("b", "http://x"),)))
+    assert not (tmp_path / "o").exists()
 
 
 # --- planning and the saturation rule ----------------------------------------------------------
