@@ -165,8 +165,10 @@ def remaining_output(predicted: int, generated: int) -> int:
     the mean. Half of it rather than all of it, because the new query's wait is set by the *earliest*
     finishes among the batch (which free KV and slots), and those come before the means. With the
     naive `max(1, predicted − generated)` the estimator believes that every request past its
-    prediction frees its KV at the next step; it then under-estimates TTFT by about a quarter and the
-    router over-fills the slow model (measured: `naive_remaining_output`, the study's estimator table).
+    prediction frees its KV at the next step: under load it under-estimates TTFT and the router
+    over-fills the slow model. The rule was picked by measurement on a generated workload (among
+    naive, "another prediction's worth" and this one), not derived; the study's estimator table
+    compares it with the naive rule on the trace.
     """
     return max(1, predicted - generated, max(predicted, generated) // 2)
 

@@ -18,6 +18,9 @@ The setting (every choice is a flag; the defaults are what the README reports):
 
 Figures per (router, λ, seed), medians over seeds with min–max spread:
 - utility = mean over all queries of accuracy(model, query) − λ·cost(model, query, true output);
+- on-time utility = the same with the accuracy of a query that missed its TTFT limit counted as 0
+  (a late answer is worth nothing; its cost is still paid);
+- utility vs load_balance = the router's utility minus load_balance's at the same λ and seed;
 - attainment = share of queries whose TTFT met their own limit;
 - accuracy, cost per 1000 queries, share served by the large model;
 - the estimator's error: for every query, the TTFT estimated for the chosen instance at routing
@@ -79,6 +82,7 @@ class RunFigures:
     lam: float
     seed: int
     utility: float
+    utility_on_time: float
     attainment: float
     accuracy: float
     cost_per_1k: float
@@ -103,20 +107,23 @@ def figures(result: FleetResult, fleet: Sequence[ModelInstance], router: str, la
     records = result.records
     prices = {m.model: m.prices for m in fleet}
     n = len(records)
-    acc = cost = 0.0
+    acc = cost = on_time = 0.0
     large = 0
     apes, errs = [], []
     for r in records:
         if r.model is None:
             continue
-        acc += true_accuracy(r.model, r.prompt_tokens)
+        a = true_accuracy(r.model, r.prompt_tokens)
+        acc += a
+        on_time += a if r.met_limit else 0.0
         cost += cost_estimate(prices[r.model], r.prompt_tokens, r.output_tokens)
         large += r.model == "large"
         if r.estimated_ttft_s is not None and r.ttft_s:
             e = (r.estimated_ttft_s - r.ttft_s) / r.ttft_s
             errs.append(e)
             apes.append(abs(e))
-    return RunFigures(router, lam, seed, (acc - lam * cost) / n, sum(r.met_limit for r in records) / n, acc / n,
+    return RunFigures(router, lam, seed, (acc - lam * cost) / n, (on_time - lam * cost) / n,
+                      sum(r.met_limit for r in records) / n, acc / n,
                       1000 * cost / n, large / n, statistics.fmean(apes), statistics.median(apes),
                       statistics.fmean(errs), sum(r.model is None for r in records),
                       percentile(result.decision_us, 50), percentile(result.decision_us, 99))
@@ -179,7 +186,10 @@ def summary_rows(result: dict) -> list[dict]:
         for router in ROUTERS:
             rs = [r for r in result["runs"] if r["router"] == router and r["lam"] == lam]
             row = {"lam": lam, "router": router}
-            for k in ("utility", "attainment", "accuracy", "cost_per_1k", "large_share", "mape", "decision_us_p50",
+            lb = {r["seed"]: r["utility"] for r in result["runs"] if r["router"] == "load_balance" and r["lam"] == lam}
+            row["utility_vs_lb"], row["utility_vs_lb_min"], row["utility_vs_lb_max"] = _med(
+                [r["utility"] - lb[r["seed"]] for r in rs])
+            for k in ("utility", "utility_on_time", "attainment", "accuracy", "cost_per_1k", "large_share", "mape", "decision_us_p50",
                       "decision_us_p99"):
                 row[k], row[f"{k}_min"], row[f"{k}_max"] = _med([r[k] for r in rs])
             rows.append(row)
@@ -207,13 +217,14 @@ def _spread(row: dict, k: str, fmt: str, n_seeds: int) -> str:
 def markdown(result: dict) -> str:
     ns = len(result["seeds"])
     spread = " (min–max over seeds)" if ns > 1 else ""
-    out = [f"| λ | router | utility{spread} | TTFT attainment{spread} | accuracy | cost $/1k queries | "
-           f"large-model share | estimator MAPE | decision µs p50 / p99 |",
-           "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [f"| λ | router | utility{spread} | vs load_balance | TTFT attainment{spread} | on-time utility | "
+           f"accuracy | cost $/1k queries | large-model share | estimator MAPE | decision µs p50 / p99 |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary_rows(result):
         out.append(f"| {r['lam']:g} | {r['router']} | {_spread(r, 'utility', '.3f', ns)} | "
-                   f"{_spread(r, 'attainment', '.3f', ns)} | {r['accuracy']:.3f} | {r['cost_per_1k']:.3f} | "
-                   f"{r['large_share']:.2f} | {r['mape']:.1%} | {r['decision_us_p50']:.0f} / {r['decision_us_p99']:.0f} |")
+                   f"{r['utility_vs_lb']:+.3f} | {_spread(r, 'attainment', '.3f', ns)} | {r['utility_on_time']:.3f} | "
+                   f"{r['accuracy']:.3f} | {r['cost_per_1k']:.3f} | {r['large_share']:.2f} | {r['mape']:.1%} | "
+                   f"{r['decision_us_p50']:.0f} / {r['decision_us_p99']:.0f} |")
     out += ["", f"Estimator error, `latency_aware` at λ = {result['estimator'][0]['lam']:g}{spread}:", "",
             "| router's snapshot | MAPE | median APE | mean signed error | TTFT attainment |",
             "|---|---:|---:|---:|---:|"]
@@ -236,15 +247,18 @@ def plot(result: dict, path: Path) -> None:
         rs = [r for r in rows if r["router"] == router]
         x, y, lam = [r["attainment"] for r in rs], [r["utility"] for r in rs], [r["lam"] for r in rs]
         axes[0].plot(x, y, "o-", color=colors[router], label=router)
-        for xi, yi, li in zip(x, y, lam):
-            axes[0].annotate(f"λ={li:g}", (xi, yi), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        for ax, key in ((axes[1], "utility"), (axes[2], "attainment")):
+        if router != "load_balance":  # its points differ only by λ; labels would pile up
+            for xi, yi, li in zip(x, y, lam):
+                axes[0].annotate(f"λ={li:g}", (xi, yi), fontsize=7, xytext=(-28 if router == "latency_aware" else 3, 3),
+                                 textcoords="offset points")
+        for ax, key in ((axes[1], "utility_vs_lb"), (axes[2], "attainment")):
             ax.plot(lam, [r[key] for r in rs], "o-", color=colors[router], label=router)
             ax.fill_between(lam, [r[key + "_min"] for r in rs], [r[key + "_max"] for r in rs],
                             color=colors[router], alpha=0.15)
     axes[0].set(xlabel="TTFT attainment (share of queries within their limit)",
                 ylabel="utility = accuracy − λ·cost", title="utility vs TTFT attainment, over λ")
-    axes[1].set(xlabel="λ (accuracy per $)", ylabel="utility", title="utility")
+    axes[1].set(xlabel="λ (accuracy per $)", ylabel="utility − load_balance's utility",
+                title="utility gain over load balancing (same λ, same seed)")
     axes[2].set(xlabel="λ (accuracy per $)", ylabel="TTFT attainment", title="TTFT attainment")
     for ax in axes:
         ax.grid(alpha=0.3)

@@ -90,6 +90,9 @@ def test_study_writes_its_table_json_and_plot(tmp_path, capsys):
     for r in runs:
         assert 0.0 <= r["attainment"] <= 1.0 and r["mape"] >= 0.0
         assert r["utility"] == pytest.approx(r["accuracy"] - r["lam"] * r["cost_per_1k"] / 1000)
+        assert r["utility_on_time"] <= r["utility"] + 1e-12  # a late answer's accuracy counts 0
+        if r["attainment"] == 1.0:
+            assert r["utility_on_time"] == pytest.approx(r["utility"])
     assert len(result["estimator"]) == 3 * 2
 
 
