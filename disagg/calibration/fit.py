@@ -13,7 +13,10 @@ Fits that cannot describe hardware are refused with the numbers that show it (a 
 no file is written. A decode curve that is flat within its noise is not refused: on a small CPU a
 tiny model's step is dominated by fixed overhead, so its measured slope is as often slightly
 negative as positive; τ_seq is then 0. "Clearly falls" means both beyond three standard errors
-of the slope and by more than 10% of the step over the measured range.
+of the slope and by more than 10% of the step over the measured range. Likewise a KV transfer
+time flat within its noise (a tiny model moves a few hundred bytes a token) is priced at the
+slowest bandwidth the measurements allow (slope = 3 standard errors); only a transfer time that
+falls with tokens beyond its noise is refused.
 
 SLO rule (documented, derived from the same measurements):
 - tight TTFT = 2 × (prefill of a 1,024-token prompt + its transfer + one decode step at batch 1);
@@ -117,8 +120,15 @@ def fit_cost_model(m: Measurements, name: str) -> tuple[CostModel, FitReport]:
     if significant and material:
         raise CalibrationError(f"decode step time falls with concurrency (slope {decode.slope:.3g} "
                                f"± {decode.slope_stderr:.2g} s per sequence over {decode.n} samples)")
-    if transfer.slope <= 0:
-        raise CalibrationError(f"KV transfer time does not grow with tokens (slope {transfer.slope:.3g} s/token)")
+    if transfer.slope + 3 * transfer.slope_stderr < 0 or (transfer.slope <= 0 and transfer.slope_stderr == 0):
+        raise CalibrationError(f"KV transfer time does not grow with tokens (slope {transfer.slope:.3g} "
+                               f"± {transfer.slope_stderr:.2g} s/token over {transfer.n} samples)")
+    xfer_slope, xfer_latency = transfer.slope, transfer.intercept
+    if transfer.slope - 3 * transfer.slope_stderr <= 0:
+        # Flat within noise (a small model's KV is a few hundred bytes a token): price it at the
+        # slowest bandwidth the measurements allow, and the latency that leaves on average.
+        xfer_slope = 3 * transfer.slope_stderr if transfer.slope_stderr > 0 else transfer.slope
+        xfer_latency = float(np.mean([s.seconds - xfer_slope * s.x for s in m.transfer]))
     if m.kv_capacity_tokens <= 0:
         raise CalibrationError(f"engine KV capacity must be positive, got {m.kv_capacity_tokens}")
     step_base = max(decode.intercept, 1e-6)
@@ -133,7 +143,7 @@ def fit_cost_model(m: Measurements, name: str) -> tuple[CostModel, FitReport]:
         max_num_seqs=m.max_num_seqs,
         max_batched_tokens=m.max_batched_tokens,
     )
-    xfer = TransferConstants(latency_s=max(transfer.intercept, 0.0), tokens_per_s=1.0 / transfer.slope)
+    xfer = TransferConstants(latency_s=max(xfer_latency, 0.0), tokens_per_s=1.0 / xfer_slope)
     biggest = max(s.x for s in m.decode)
     ttft = SLO_HEADROOM * (engine.prefill_s(REFERENCE_PROMPT) + xfer.transfer_s(REFERENCE_PROMPT)
                            + engine.decode_token_s(1))

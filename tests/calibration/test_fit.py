@@ -111,3 +111,16 @@ def test_a_step_that_falls_consistently_across_repeats_is_refused():
     m.decode = [Sample(b, (0.006 - 1e-4 * b) * (1 + rng.uniform(-0.02, 0.02))) for _ in range(3) for b in (1, 4, 16)]
     with pytest.raises(CalibrationError, match="falls with concurrency .* over 9 samples"):
         fit_cost_model(m, "t")
+
+
+def test_a_transfer_time_flat_within_noise_gets_the_slowest_bandwidth_the_data_allow():
+    m = synthetic(0.0)
+    rng = random.Random(2)
+    # latency-dominated, as a tiny model's KV on one machine: 6 ms ± 1 ms whatever the length
+    m.transfer = [Sample(p, 0.006 + rng.uniform(-0.001, 0.001)) for p in (64, 256, 512, 1024, 1536) for _ in range(3)]
+    cm, report = fit_cost_model(m, "t")
+    bound = 3 * report.transfer.slope_stderr
+    assert report.transfer.slope - bound <= 0  # not significantly positive
+    assert cm.transfer.tokens_per_s == pytest.approx(1 / bound)
+    # the priced transfer stays within the measured range over the measured lengths
+    assert 0.004 < cm.transfer.transfer_s(64) < cm.transfer.transfer_s(1536) < 0.009
