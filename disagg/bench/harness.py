@@ -83,6 +83,7 @@ from disagg.core.cost_model import CostModel, load_profile
 from disagg.core.policies import known_policies, policy_class
 from disagg.core.types import SloClass
 from disagg.sim.metrics import RequestRecord, summarize
+from disagg.sim.runner import saturation_search, saturation_steps  # noqa: F401  (one rule, sim and live)
 from disagg.sim.traces import TraceRequest, assign_slo_classes, read_trace, rescale_to_rate, slice_trace
 
 SETTINGS_FILE = "settings.json"
@@ -325,50 +326,6 @@ def planned(slice_: Sequence[TraceRequest], trace: str, seed: int, indices: Sequ
                            slo_class=slice_[i].slo_class.value if slice_[i].slo_class else None,
                            prompt_seed=prompt_seed(seed, stream or trace, i))
             for i in idx]
-
-
-def saturation_steps(own: float, iterations: int, max_doublings: int = 12):
-    """The rule of `disagg.sim.runner.find_saturation`, as a generator: it yields the rates to
-    probe, is sent round robin's goodput at each, and returns the result dict.
-
-    g_lo at max(0.05, own/20); from `own`, double until goodput ≤ 0.2 (at most `max_doublings`
-    times); bisect log(rate) between the last two doubling points for (g_lo + g_hi)/2. A generator
-    so that the very same steps drive the synchronous search and the live, asynchronous one.
-
-    The result has one key more than find_saturation's: `bracketed`, false when the goodput at the
-    lower bisection end was already at or below the target. The rule then cannot find the
-    midpoint (it lies below that end) and converges to the lower end; on the live CPU profile
-    this happened (goodput 0.83 at 5.2 req/s, 0.31 at 10.5, target 0.55: "saturation" 10.7)."""
-    r_lo = max(0.05, own / 20)
-    g_lo = yield r_lo
-    below, hi = r_lo, own
-    g_below = g_lo
-    g_hi = yield hi
-    for _ in range(max_doublings):
-        if g_hi <= 0.2:
-            break
-        below, hi, g_below = hi, hi * 2, g_hi
-        g_hi = yield hi
-    target = (g_lo + g_hi) / 2
-    a, b = math.log(below), math.log(hi)
-    for _ in range(iterations):
-        mid = (a + b) / 2
-        if (yield math.exp(mid)) > target:
-            a = mid
-        else:
-            b = mid
-    return {"rate": math.exp((a + b) / 2), "goodput_light": g_lo, "goodput_overload": g_hi,
-            "target_goodput": target, "light_rate": r_lo, "overload_rate": hi, "bracketed": g_below > target}
-
-
-def saturation_search(goodput: Callable[[float], float], own: float, iterations: int) -> dict:
-    steps = saturation_steps(own, iterations)
-    try:
-        rate = next(steps)
-        while True:
-            rate = steps.send(goodput(rate))
-    except StopIteration as stop:
-        return stop.value
 
 
 async def saturation_search_async(goodput, own: float, iterations: int) -> dict:

@@ -326,9 +326,9 @@ def write_all(bench: "Bench") -> dict:
                             f"{r['expected_requests']} requests recorded (rerun the command to finish it)")
     for name, sat in (bench.resolved.get("saturation") or {}).items():
         if sat.get("bracketed") is False:
-            warnings.append(f"{name}: the saturation rule's bisection did not bracket its target goodput "
-                            f"{sat['target_goodput']:.3f} (the midpoint lies below the last doubling point); "
-                            f"the rate {sat['rate']:.3g} req/s is an upper bound of round robin's mid-collapse")
+            warnings.append(f"{name}: round robin's goodput never fell below the saturation rule's target "
+                            f"{sat['target_goodput']:.3f} up to {sat['rate']:.3g} req/s; the rate is that last "
+                            "probed rate, not a mid-collapse point")
     if bench.store.duplicates:
         warnings.append(f"{bench.store.duplicates} duplicate lines in requests.jsonl were ignored")
     results = {

@@ -5,7 +5,11 @@ Saturation rule (the paper drives each workload where round robin is mid-collaps
    0.05 req/s); starting from the trace's own rate, double the rate until round robin's goodput is
    at most 0.2 (or 2^12× the start): that rate gives g_hi;
 2. the saturation rate is where round robin's goodput equals (g_lo + g_hi) / 2, found by bisection
-   on log(rate) between the last two doubling points, 10 iterations;
+   on log(rate), 10 iterations, between the two neighbouring probed rates that bracket that
+   target: the lowest probed rate whose goodput is at or below it, and the probed rate just below
+   that one. (The last two doubling points do not always bracket it: a collapse that starts before
+   the trace's own rate leaves the target below both. `bracketed` is false only when round robin's
+   goodput never fell below its light-load value; the result is then the last probed rate.)
 3. each probe simulates the trace (its first `probe_requests` requests, by default all of it)
    rescaled to the probed rate, with the same seed, so the rule is deterministic and the rate is
    the collapse point of the very requests that are then run.
@@ -110,27 +114,48 @@ def find_saturation(
         raise ValueError("saturation search needs a trace of at least 2 requests")
     span = probe[-1].arrival_s - probe[0].arrival_s
     own_rate = (len(probe) - 1) / span if span > 0 else 1.0
-    g = lambda r: rr_goodput(probe, cost_model, topology, r, tight_share, seed)  # noqa: E731
-    r_lo = max(0.05, own_rate / 20)
-    g_lo = g(r_lo)
-    below, hi = r_lo, own_rate
-    g_hi = g(hi)
-    for _ in range(12):
-        if g_hi <= 0.2:
+    return saturation_search(lambda r: rr_goodput(probe, cost_model, topology, r, tight_share, seed), own_rate,
+                             iterations)
+
+
+def saturation_steps(own: float, iterations: int, max_doublings: int = 12):
+    """The saturation rule (module doc) as a generator: it yields the rates to probe and is sent
+    round robin's goodput at each, then returns the result dict. A generator so that the very
+    same steps drive the simulator's search and the live harness's asynchronous one."""
+    r_lo = max(0.05, own / 20)
+    probed = {r_lo: (yield r_lo)}
+    hi = own
+    probed[hi] = yield hi
+    for _ in range(max_doublings):
+        if probed[hi] <= 0.2:
             break
-        below, hi = hi, hi * 2
-        g_hi = g(hi)
+        hi *= 2
+        probed[hi] = yield hi
+    g_lo, g_hi = probed[r_lo], probed[hi]
     target = (g_lo + g_hi) / 2
-    a, b = math.log(below), math.log(hi)
-    for _ in range(iterations):
+    rates = sorted(probed)
+    bracketed = g_lo > target  # else round robin never fell from its light-load goodput
+    upper = next(r for r in rates if r > r_lo and probed[r] <= target) if bracketed else hi
+    lower = max((r for r in rates if r < upper and probed[r] > target), default=upper)
+    a, b = math.log(lower), math.log(upper)
+    for _ in range(iterations if bracketed else 0):
         mid = (a + b) / 2
-        if g(math.exp(mid)) > target:
+        if (yield math.exp(mid)) > target:
             a = mid
         else:
             b = mid
-    rate = math.exp((a + b) / 2)
-    return {"rate": rate, "goodput_light": g_lo, "goodput_overload": g_hi, "target_goodput": target,
-            "light_rate": r_lo, "overload_rate": hi}
+    return {"rate": math.exp((a + b) / 2), "goodput_light": g_lo, "goodput_overload": g_hi, "target_goodput": target,
+            "light_rate": r_lo, "overload_rate": hi, "bracket": [math.exp(a), math.exp(b)], "bracketed": bracketed}
+
+
+def saturation_search(goodput: Callable[[float], float], own: float, iterations: int) -> dict:
+    steps = saturation_steps(own, iterations)
+    try:
+        rate = next(steps)
+        while True:
+            rate = steps.send(goodput(rate))
+    except StopIteration as stop:
+        return stop.value
 
 
 def compare(

@@ -343,14 +343,22 @@ def test_saturation_search_is_the_simulators_rule():
     assert {k: ours[k] for k in ref} == ref and isinstance(ours["bracketed"], bool)
 
 
-def test_saturation_search_flags_a_midpoint_below_its_bracket():
+def test_saturation_search_brackets_a_collapse_that_starts_before_the_own_rate():
     """Goodput 1.0 light, 0.83 at the own rate, 0.31 at 2×, 0.10 at 4×: the target 0.55 lies
-    between 1× and 2×, but the rule bisects between 2× and 4× (the last two doubling points)."""
+    between 1× and 2× (as measured once on the live CPU profile), not between the last two
+    doubling points, and the bisection must look there."""
     curve = {1.0: 0.83, 2.0: 0.31, 4.0: 0.10}
     g = lambda r: 1.0 if r < 0.5 else next((v for k, v in sorted(curve.items(), reverse=True) if r >= k), 1.0)  # noqa: E731
     out = saturation_search(g, 1.0, 8)
-    assert out["bracketed"] is False and 2.0 <= out["rate"] < 2.01
-    assert saturation_search(lambda r: 1.0 if r < 1.5 else 0.1, 1.0, 8)["bracketed"] is True
+    assert out["bracketed"] is True and out["target_goodput"] == pytest.approx(0.55)
+    assert out["bracket"][0] >= 1.0 and out["bracket"][1] <= 2.0 and 1.99 <= out["rate"] <= 2.0
+    # a smooth collapse: the rate found has goodput at the target
+    smooth = lambda r: 1.0 / (1.0 + (r / 3.0) ** 4)  # noqa: E731
+    out = saturation_search(smooth, 1.0, 20)
+    assert smooth(out["rate"]) == pytest.approx(out["target_goodput"], abs=1e-3)
+    # no collapse at all: flagged, and the last probed rate is returned
+    flat = saturation_search(lambda r: 0.9, 1.0, 8)
+    assert flat["bracketed"] is False and flat["rate"] == pytest.approx(flat["overload_rate"]) and flat["overload_rate"] == 2 ** 12
 
 
 def test_live_saturation_probes_the_app_and_is_reused_on_resume(tmp_path):
@@ -361,11 +369,14 @@ def test_live_saturation_probes_the_app_and_is_reused_on_resume(tmp_path):
         cfg = BenchConfig(**{**cfg.__dict__, "url": stub.url})
         res = run_bench(cfg)
         probes = res["requests_sent"]["probes"]
-        # the stub never saturates: a light probe (5/s), the trace's own rate (100/s), 12 doublings
-        # and 2 bisections; a probe sends max(6, rate × 0.05 s) requests, at most the trace's 12
-        rates = [5.0, 100.0] + [100.0 * 2 ** k for k in range(1, 13)] + [0.0, 0.0]
-        assert probes == sum(min(12, max(6, math.ceil(r * 0.05))) if r else 12 for r in rates)
+        # the stub never saturates: a light probe (5/s), the trace's own rate (100/s), 12 doublings,
+        # and no bisection (nothing to bracket); a probe sends max(6, rate × 0.05 s) requests, at
+        # most the trace's 12
+        rates = [5.0, 100.0] + [100.0 * 2 ** k for k in range(1, 13)]
+        assert probes == sum(min(12, max(6, math.ceil(r * 0.05))) for r in rates)
         sat = res["resolved"]["saturation"]["t"]
+        assert sat["bracketed"] is False and sat["rate"] == pytest.approx(100.0 * 2 ** 12)
+        assert any("never fell below" in w for w in res["warnings"])
         assert sat["goodput_light"] == 1.0 and res["runs"][0]["rate"] == pytest.approx(sat["rate"], rel=1e-6)
         again = run_bench(cfg)
         assert again["requests_sent"]["probes"] == 0 and again["resolved"]["saturation"] == res["resolved"]["saturation"]
