@@ -69,6 +69,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
+    from disagg.cli import UsageError, resolve_trace
+
+    try:
+        traces = tuple(str(resolve_trace(t)) for t in args.trace)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    names = {str(p): Path(p).name.split(".")[0] for p in traces}
     sources = {"default": args.default, "calibrated": args.calibrated}
     results: dict[str, dict[str, list[dict]]] = {"default": {}, "calibrated": {}}
     try:
@@ -76,7 +84,7 @@ def main(argv=None) -> int:
             print(f"repeat {k + 1}/{args.repeats}: router constants = {arm} ({sources[arm]})", flush=True)
             set_cost_model(args.url, sources[arm])
             res = run_bench(BenchConfig(
-                out=args.out / f"{arm}-{k}", traces=tuple(args.trace), policies=(args.policy,), url=args.url,
+                out=args.out / f"{arm}-{k}", traces=traces, policies=(args.policy,), url=args.url,
                 rate=args.rate, max_requests=args.max_requests, tight_share=args.tight_share, seed=k,
                 cost_model=args.calibrated, realtime=args.realtime))
             for run in res["runs"]:
@@ -96,7 +104,7 @@ def main(argv=None) -> int:
           f"median [min, max] across repeats; goodput judged with {args.calibrated}'s SLO targets\n")
     print("| trace | router constants | goodput | P99 TTFT s | paired Δ goodput (calibrated − default) |")
     print("| --- | --- | --- | --- | --- |")
-    for trace in args.trace:
+    for trace in names.values():
         d, c = results["default"].get(trace, []), results["calibrated"].get(trace, [])
         by_repeat = {r["repeat"]: r for r in d}
         deltas = [r["goodput"] - by_repeat[r["repeat"]]["goodput"] for r in c if r["repeat"] in by_repeat]

@@ -221,11 +221,14 @@ print("deployed", flush=True)
 """
 
 
-def deploy_raylm(model_path: str, timeout_s: float, direct: bool = False) -> None:
+def deploy_raylm(model_path: str, timeout_s: float, direct: bool = False, prefill_replicas: int = 1,
+                 decode_replicas: int = 1) -> None:
     from disagg.graph.launch import RAY_ENV  # loopback only: without it ray.init hangs on the eth0 address
 
     cfg = raylm_llm_config(model_path)
     pd = {"prefill_config": cfg, "decode_config": json.loads(json.dumps(cfg))}
+    pd["prefill_config"]["deployment_config"]["num_replicas"] = prefill_replicas
+    pd["decode_config"]["deployment_config"]["num_replicas"] = decode_replicas
     if not direct:  # direct streaming has no separate ingress deployment (and rejects this option)
         # Serve's default reservation of 1 CPU for the ingress replica does not fit next to our
         # app on 2 logical CPUs; the same 0.1 as our router (a reservation, not a speed limit).
