@@ -232,11 +232,29 @@ def cmd_accuracy_synth(args) -> int:
     return 0
 
 
+def _check_reachable(url: str) -> None:
+    """Before minutes of work that need the app: is it there and ready?"""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+            if r.status == 200:
+                return
+            raise UsageError(f"{url}/health answered {r.status}; the app is not ready")
+    except urllib.error.HTTPError as e:
+        raise UsageError(f"{url}/health answered {e.code}; the app is not ready") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise UsageError(f"cannot reach {url}: {e}") from None
+
+
 def cmd_calibrate(args) -> int:
     import asyncio
 
-    from disagg.calibration.fit import CalibrationError, fit_cost_model, held_out_error
-    from disagg.calibration.measure import Calibrator, Plan
+    import statistics
+
+    from disagg.calibration.fit import CalibrationError, fit_cost_model, held_out_error, serving_overhead
+    from disagg.calibration.measure import SERVING_PROBE_TOKENS, Calibrator, Plan, app_ttfts
     from disagg.graph.config import ConfigError, load_serve_config
 
     try:
@@ -244,16 +262,31 @@ def cmd_calibrate(args) -> int:
     except ConfigError as e:
         raise UsageError(str(e)) from None
     out = Path(args.out)
+    if args.url is not None:
+        _check_reachable(args.url.rstrip("/"))
+    if args.url_requests < 3:
+        raise UsageError(f"--url-requests must be >= 3, got {args.url_requests}")
     plan = Plan.for_context(cfg.model.max_model_len, cfg.engine.max_num_seqs, args.quick)
     bar = Progress(plan.steps(), "calibrating")
     print(f"calibrating {cfg.model.source} on {cfg.engine.device} ({'quick' if args.quick else 'full'}): "
           f"prompts {plan.prefill_lengths} ×{plan.repeats}, concurrency {plan.concurrencies}", file=sys.stderr)
     try:
         result = asyncio.run(Calibrator(cfg, seed=args.seed).run(plan, bar))
-        cm, report = fit_cost_model(result.measurements, name=args.name or f"calibrated-{cfg.model.served_name}")
+        name = args.name or f"calibrated-{cfg.model.served_name}"
+        cm, report = fit_cost_model(result.measurements, name=name)
         held = held_out_error(cm, result.held_out_prefill, result.held_out_decode)
+        if args.url:
+            ttfts = asyncio.run(app_ttfts(args.url.rstrip("/"), SERVING_PROBE_TOKENS, args.url_requests,
+                                          seed=args.seed))
+            overhead = serving_overhead(cm, SERVING_PROBE_TOKENS, ttfts)
+            cm, report = fit_cost_model(result.measurements, name=name, serving_overhead_s=overhead)
+            print(f"serving path ({args.url}): median client TTFT {statistics.median(ttfts) * 1e3:.1f} ms over "
+                  f"{len(ttfts)} lone {SERVING_PROBE_TOKENS}-token requests, of which outside the engines "
+                  f"{overhead * 1e3:.1f} ms", file=sys.stderr)
     except CalibrationError as e:
         raise UsageError(f"calibration failed, nothing written: {e}") from None
+    except (RuntimeError, OSError) as e:
+        raise UsageError(f"measuring the serving path failed, nothing written: {e}") from None
     cm.save(out)
     print(fmt_table([{"fit": k, **fit} for k, fit in report.as_dict().items()],
                     [("fit", "fit", "s"), ("slope", "slope", ".3g"), ("intercept", "intercept s", ".3g"),
@@ -262,7 +295,8 @@ def cmd_calibrate(args) -> int:
     e = cm.engine
     print(f"\nτ_pre {e.prefill_token_s * 1e6:.2f} µs/token, step base {e.step_base_s * 1e3:.3f} ms, "
           f"τ_seq {e.decode_seq_s * 1e6:.1f} µs/sequence, KV {e.kv_capacity_tokens} tokens, "
-          f"transfer {cm.transfer.latency_s * 1e3:.2f} ms + {cm.transfer.tokens_per_s:,.0f} tokens/s")
+          f"transfer {cm.transfer.latency_s * 1e3:.2f} ms + {cm.transfer.tokens_per_s:,.0f} tokens/s, "
+          f"serving path {cm.serving_overhead_s * 1e3:.1f} ms" + ("" if args.url else " (not measured: no --url)"))
     t, l = cm.slo[SloClass.TIGHT], cm.slo[SloClass.LOOSE]
     print(f"SLO tight TTFT {t.ttft_s * 1e3:.0f} ms / TPOT {t.tpot_s * 1e3:.1f} ms; "
           f"loose TTFT {l.ttft_s * 1e3:.0f} ms / TPOT {l.tpot_s * 1e3:.1f} ms")
@@ -392,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--name", help="name recorded in the file")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--report", help="also write the fit report as JSON")
+    cal.add_argument("--url", help="a running app (e.g. http://127.0.0.1:8000): also measure the serving path's "
+                                   "overhead outside the engines, for the simulator and the TTFT targets")
+    cal.add_argument("--url-requests", type=int, default=16, help="lone requests through the app for --url")
     cal.set_defaults(func=cmd_calibrate)
 
     acc = sub.add_parser("accuracy", help="the accuracy estimator of latency-aware routing: train it, or make "

@@ -26,13 +26,16 @@ def stack(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def calibrated_file(tmp_path_factory):
-    """`disagg calibrate --quick` on the CPU profile, end to end (it starts its own two engines)."""
+def calibrated_file(tmp_path_factory, stack):
+    """`disagg calibrate --quick` on the CPU profile, end to end (it starts its own two engines),
+    with the serving path measured through the session's running app (`--url`)."""
     import subprocess
 
     out = tmp_path_factory.mktemp("calibration")
     cmd = [sys.executable, "-m", "disagg.cli", "calibrate", "--config", str(ROOT / "deployments" / "local.yaml"),
-           "--out", str(out / "cpu-calibrated.yaml"), "--report", str(out / "report.json"), "--quick"]
+           "--out", str(out / "cpu-calibrated.yaml"), "--report", str(out / "report.json"), "--quick",
+           "--url", stack.base_url, "--url-requests", "8"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return SimpleNamespace(path=out / "cpu-calibrated.yaml", report=out / "report.json", stdout=proc.stdout)
+    return SimpleNamespace(path=out / "cpu-calibrated.yaml", report=out / "report.json", stdout=proc.stdout,
+                           stderr=proc.stderr)

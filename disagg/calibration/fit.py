@@ -19,7 +19,8 @@ slowest bandwidth the measurements allow (slope = 3 standard errors); only a tra
 falls with tokens beyond its noise is refused.
 
 SLO rule (documented, derived from the same measurements):
-- tight TTFT = 2 × (prefill of a 1,024-token prompt + its transfer + one decode step at batch 1);
+- tight TTFT = 2 × (prefill of a 1,024-token prompt + its transfer + one decode step at batch 1
+  + the serving path's overhead, when measured: `disagg calibrate --url`);
 - tight TPOT = 2 × the decode step at the largest measured concurrency;
 - loose = 3 × tight, as in the calibration paper.
 """
@@ -106,7 +107,7 @@ class FitReport:
         return {"prefill": self.prefill.as_dict(), "decode": self.decode.as_dict(), "transfer": self.transfer.as_dict()}
 
 
-def fit_cost_model(m: Measurements, name: str) -> tuple[CostModel, FitReport]:
+def fit_cost_model(m: Measurements, name: str, serving_overhead_s: float = 0.0) -> tuple[CostModel, FitReport]:
     prefill = fit_linear(m.prefill, "prefill latency vs prompt tokens")
     decode = fit_linear(m.decode, "decode step time vs concurrency")
     transfer = fit_linear(m.transfer, "KV transfer time vs tokens")
@@ -146,12 +147,23 @@ def fit_cost_model(m: Measurements, name: str) -> tuple[CostModel, FitReport]:
     xfer = TransferConstants(latency_s=max(xfer_latency, 0.0), tokens_per_s=1.0 / xfer_slope)
     biggest = max(s.x for s in m.decode)
     ttft = SLO_HEADROOM * (engine.prefill_s(REFERENCE_PROMPT) + xfer.transfer_s(REFERENCE_PROMPT)
-                           + engine.decode_token_s(1))
+                           + engine.decode_token_s(1) + serving_overhead_s)
     tpot = SLO_HEADROOM * engine.decode_token_s(int(biggest))
     slo = {SloClass.TIGHT: SloTarget(ttft_s=ttft, tpot_s=tpot),
            SloClass.LOOSE: SloTarget(ttft_s=LOOSE_FACTOR * ttft, tpot_s=LOOSE_FACTOR * tpot)}
-    cm = CostModel(name=name, model=m.model, engine=engine, transfer=xfer, slo=slo, calibrated=True)
+    cm = CostModel(name=name, model=m.model, engine=engine, transfer=xfer, slo=slo,
+                   serving_overhead_s=serving_overhead_s, calibrated=True)
     return cm, FitReport(prefill, decode, transfer)
+
+
+def serving_overhead(cm: CostModel, prompt_tokens: int, client_ttfts: list[float]) -> float:
+    """The unloaded time outside the engines: the median client TTFT through the app minus what
+    the engines take for the same request (prefill, KV transfer, the decode engine's first step)."""
+    if not client_ttfts:
+        raise CalibrationError("no requests through the app were measured")
+    engines = (cm.engine.prefill_s(prompt_tokens) + cm.transfer.transfer_s(prompt_tokens)
+               + cm.engine.decode_token_s(1))
+    return max(float(np.median(client_ttfts)) - engines, 0.0)
 
 
 def held_out_error(cm: CostModel, prefill: list[Sample], decode: list[Sample]) -> dict:

@@ -103,6 +103,11 @@ class CostModel(_Strict):
     pairs: dict[str, TransferConstants] = Field(
         default_factory=dict, description="per 'prefill->decode' pair transfer overrides"
     )
+    serving_overhead_s: float = Field(
+        default=0.0, ge=0.0, le=10.0,
+        description="time a request spends outside the engines before its first token reaches the client "
+                    "(HTTP proxy, router, Serve hops), unloaded; measured by `disagg calibrate --url`",
+    )
     calibrated: bool = Field(default=False, description="true when written by `disagg calibrate`")
 
     @field_validator("slo")

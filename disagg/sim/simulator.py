@@ -273,8 +273,10 @@ class Simulator:
 
     def _record(self, f: _Flight, job: Job, now: float) -> RequestRecord:
         target = self.cm.target(f.slo)
+        # the serving path outside the engines, as a fixed delay of the response stream
+        late = self.cm.serving_overhead_s
         return RequestRecord.served(
             f.rid, f.req, f.slo, f.prefill_id, f.decode_id, f.predicted,
-            t_first=job.t_first, t_last=now, ttft_target_s=target.ttft_s, tpot_target_s=target.tpot_s,
+            t_first=job.t_first + late, t_last=now + late, ttft_target_s=target.ttft_s, tpot_target_s=target.tpot_s,
             preemptions=job.preemptions,
         )

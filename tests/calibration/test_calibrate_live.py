@@ -4,7 +4,9 @@ import json
 
 import pytest
 
+from disagg.calibration.fit import REFERENCE_PROMPT, SLO_HEADROOM
 from disagg.core.cost_model import CostModel
+from disagg.core.types import SloClass
 
 pytestmark = pytest.mark.stack
 
@@ -19,3 +21,10 @@ def test_calibrate_writes_a_sane_cost_model(calibrated_file):
     assert set(report["fit"]) == {"prefill", "decode", "transfer"}
     assert report["held_out"]["n"] >= 2 and report["held_out"]["median_rel_error"] >= 0
     assert "held-out" in calibrated_file.stdout and "R²" in calibrated_file.stdout
+    # the serving path through the running app costs something, and the TTFT targets include it
+    assert 0 < cm.serving_overhead_s < 5.0
+    assert "outside the engines" in calibrated_file.stderr
+    tight = cm.slo[SloClass.TIGHT]
+    assert tight.ttft_s == pytest.approx(SLO_HEADROOM * (e.prefill_s(REFERENCE_PROMPT)
+                                                         + cm.transfer.transfer_s(REFERENCE_PROMPT)
+                                                         + e.decode_token_s(1) + cm.serving_overhead_s))

@@ -6,7 +6,7 @@ import pytest
 
 from disagg.calibration.fit import (
     LOOSE_FACTOR, REFERENCE_PROMPT, SLO_HEADROOM, CalibrationError, Measurements, Sample, fit_cost_model, fit_linear,
-    held_out_error,
+    held_out_error, serving_overhead,
 )
 from disagg.core.types import SloClass
 
@@ -124,3 +124,20 @@ def test_a_transfer_time_flat_within_noise_gets_the_slowest_bandwidth_the_data_a
     assert cm.transfer.tokens_per_s == pytest.approx(1 / bound)
     # the priced transfer stays within the measured range over the measured lengths
     assert 0.004 < cm.transfer.transfer_s(64) < cm.transfer.transfer_s(1536) < 0.009
+
+
+def test_the_serving_path_overhead_enters_the_ttft_targets_and_is_what_the_engines_do_not_explain():
+    m = synthetic(0.0)
+    bare, _ = fit_cost_model(m, "t")
+    overhead = serving_overhead(bare, 64, [0.030, 0.031, 0.029, 0.5])  # median 0.0305 s; one outlier
+    engines = bare.engine.prefill_s(64) + bare.transfer.transfer_s(64) + bare.engine.decode_token_s(1)
+    assert overhead == pytest.approx(0.0305 - engines)
+    cm, _ = fit_cost_model(m, "t", serving_overhead_s=overhead)
+    assert cm.serving_overhead_s == overhead
+    for c in SloClass:
+        assert cm.slo[c].ttft_s == pytest.approx(bare.slo[c].ttft_s + SLO_HEADROOM * overhead
+                                                 * (LOOSE_FACTOR if c is SloClass.LOOSE else 1))
+        assert cm.slo[c].tpot_s == bare.slo[c].tpot_s
+    assert serving_overhead(bare, 64, [engines / 2]) == 0.0  # faster than the engines: noise, not negative
+    with pytest.raises(CalibrationError, match="no requests"):
+        serving_overhead(bare, 64, [])

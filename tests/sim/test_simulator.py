@@ -141,3 +141,19 @@ def test_stale_polls_are_modelled(cm):
     fast, r1 = simulate(trace, cm, Topology(2, 4), "marginal_cost", poll_interval_s=0.001)
     slow, r2 = simulate(trace, cm, Topology(2, 4), "marginal_cost", poll_interval_s=2.0)
     assert [r.decode_id for r in r1.records] != [r.decode_id for r in r2.records]
+
+
+def test_the_serving_overhead_delays_every_response_and_changes_nothing_else(cm):
+    trace = generate("mixed_bursty", 150, 8.0, 3)
+    late = cm.model_copy(update={"serving_overhead_s": 0.04})
+    _, base = simulate(trace, cm, Topology.parse("1P2D"), "marginal_cost", seed=1)
+    _, slow = simulate(trace, late, Topology.parse("1P2D"), "marginal_cost", seed=1)
+    a = {r.request_id: r for r in base.records}
+    b = {r.request_id: r for r in slow.records}
+    assert a.keys() == b.keys() and len(a) == 150
+    for rid, r in a.items():
+        assert (b[rid].prefill_id, b[rid].decode_id) == (r.prefill_id, r.decode_id)  # the same decisions
+        if r.ttft_s is not None:
+            assert b[rid].ttft_s == pytest.approx(r.ttft_s + 0.04)
+            assert b[rid].e2e_s == pytest.approx(r.e2e_s + 0.04)
+            assert b[rid].tpot_s == pytest.approx(r.tpot_s) if r.tpot_s is not None else b[rid].tpot_s is None
