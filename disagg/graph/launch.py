@@ -17,12 +17,14 @@ so the engines left after `serve shutdown` are told apart from another run's on 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -161,24 +163,64 @@ class LocalStack:
         self.log(f"deploying {self.config} ...")
         # `serve run` talks to the cluster (GCS), not to the dashboard's REST API
         self.deployed = True  # from here on, teardown owns the app and its engines
-        subprocess.run([_bin("serve"), "run", "--non-blocking", "--address", RAY_ADDRESS, str(self.config)],
-                       env=_env(), check=True, capture_output=True, timeout=300)
+        self._serve_run(self.config)
         self.wait_ready()
 
-    def _prepare_models(self) -> None:
+    def _prepare_models(self, apps=None) -> None:
         """Build the offline tiny models once here, rather than in every engine replica at once."""
         from disagg.graph.engine_server import resolve_model
 
-        for _, cfg in self.apps:
+        for _, cfg in apps or self.apps:  # one entry per model, also of a multi-model app
             if cfg.model.source.startswith("tiny:"):
                 resolve_model(cfg.model.source)
 
+    @contextlib.contextmanager
+    def extra_app(self, config: str | Path, name: str, route_prefix: str, ready_timeout_s: float = 600.0):
+        """Serve the first application of another config file next to this stack's, on the same
+        cluster and proxy, as application `name` at `route_prefix`; yields its base URL. On exit the
+        stack's own config is deployed alone again (Serve removes the extra application; the stack's
+        applications, unchanged, keep their replicas) and this waits until the extra engines are gone.
+        """
+        if not self.deployed:
+            raise RuntimeError("the stack is not deployed")
+        config = Path(config)
+        self._prepare_models(load_serve_config(config))  # fail before touching the cluster
+        extra = dict(yaml.safe_load(config.read_text())["applications"][0], name=name, route_prefix=route_prefix)
+        doc = yaml.safe_load(self.config.read_text())
+        if any(a.get("name") == name or a.get("route_prefix") == route_prefix for a in doc["applications"]):
+            raise ValueError(f"application name {name!r} or route prefix {route_prefix!r} is already in {self.config}")
+        doc["applications"].append(extra)
+        engines_before = len(engine_processes(self.stack_id)) if self.stack_id else 0
+        with tempfile.TemporaryDirectory() as tmp:
+            both = Path(tmp) / "with-extra.yaml"
+            both.write_text(yaml.safe_dump(doc, sort_keys=False))
+            self.log(f"deploying {config} as {name!r} at {route_prefix} next to {self.config} ...")
+            try:
+                self._serve_run(both)
+                url = f"{self.base_url}{route_prefix.rstrip('/')}"
+                self._wait_healthy(url, ready_timeout_s)
+                yield url
+            finally:
+                self.log(f"removing {name!r} ...")
+                self._serve_run(self.config)
+                deadline = time.monotonic() + 120.0
+                while (self.stack_id and len(engine_processes(self.stack_id)) > engines_before
+                       and time.monotonic() < deadline):
+                    time.sleep(1.0)
+
+    def _serve_run(self, config: Path) -> None:
+        subprocess.run([_bin("serve"), "run", "--non-blocking", "--address", RAY_ADDRESS, str(config)],
+                       env=_env(), check=True, capture_output=True, timeout=300)
+
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout_s
+        self._wait_healthy(self.base_url, self.ready_timeout_s)
+
+    def _wait_healthy(self, base_url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         last = None
         while time.monotonic() < deadline:
             try:
-                status, body = _get(f"{self.base_url}/health")
+                status, body = _get(f"{base_url}/health")
                 if status == 200:
                     self.log(f"ready: {body.decode()}")
                     return
@@ -186,7 +228,7 @@ class LocalStack:
             except (OSError, urllib.error.URLError) as e:
                 last = str(e)
             time.sleep(2.0)
-        raise TimeoutError(f"the app at {self.base_url} was not healthy within {self.ready_timeout_s:.0f} s "
+        raise TimeoutError(f"the app at {base_url} was not healthy within {timeout_s:.0f} s "
                            f"(last answer: {last})")
 
     def stop(self, timeout_s: float = 120.0) -> None:
@@ -242,7 +284,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     with stack:
         url = stack.base_url
-        model = stack.apps[0][1].model.served_name
+        args = yaml.safe_load(stack.config.read_text())["applications"][0].get("args") or {}
+        # a multi-model app: show the alias, which lets the router choose the model
+        model = (args.get("router") or {}).get("alias", "auto") if "models" in args else stack.apps[0][1].model.served_name
         print(f"""
 Serving on {url} (Ray dashboard: http://127.0.0.1:8265). Try:
 

@@ -195,6 +195,15 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+_POOL_ROLE = {"prefill": Role.PREFILL, "decode": Role.DECODE, "colocated": Role.BOTH}
+
+
+def _tokenizer(source: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(source))
+
+
 def _header_number(request: Request, name: str, minimum_exclusive: bool) -> float | None:
     """A numeric request header: None when absent; 400 naming the header when not a valid number."""
     raw = request.headers.get(name)
@@ -230,16 +239,16 @@ class Router:
             self.alias, self.lam, self.accuracy, prices = None, 0.0, AccuracyTable(), {}
             log_path = rc.request_log
         self.poll_interval_s, self.default_slo, self.prefill_retries = rc.poll_interval_s, rc.default_slo, rc.prefill_retries
-        self.models: dict[str, _Model] = {}
+        self.served: dict[str, _Model] = {}
         for name, view in views.items():
             cm = load_cost_model(view.router.cost_model)
-            self.models[name] = _Model(
+            self.served[name] = _Model(
                 name=name, cfg=view, handles={Role(r): h for r, h in pools[name].items()},
                 tokenizer=_tokenizer(view.model.source), cost_model=cm,
                 policy=build_policy(view.router.policy, cm, view.router.policy_params),
                 policy_params=dict(view.router.policy_params), predictor=BucketMeanPredictor(),
                 id_prefix=f"{name}:" if self.alias else "", prices=prices.get(name))
-        self.first = next(iter(self.models.values()))
+        self.first = next(iter(self.served.values()))
         self.alias_predictor = BucketMeanPredictor()
         self.ledger = Ledger()
         self.flights: dict[str, _Flight] = {}  # admitted and not finished, in admission order
@@ -263,7 +272,7 @@ class Router:
 
     async def poll_once(self) -> None:
         now = time.monotonic()
-        pools = [(m, role, h) for m in self.models.values() for role, h in m.handles.items()]
+        pools = [(m, role, h) for m in self.served.values() for role, h in m.handles.items()]
         results = await asyncio.gather(*(
             h.broadcast("state").results_async(timeout_s=2.0, return_exceptions=True) for _, _, h in pools))
         for (model, role, _), states in zip(pools, results):
@@ -293,7 +302,7 @@ class Router:
 
     def _expected(self) -> dict[tuple[str, Role], int]:
         return {(m.name, _POOL_ROLE[name]): _min_width(pool)
-                for m in self.models.values() for name, pool in m.cfg.pools().items()}
+                for m in self.served.values() for name, pool in m.cfg.pools().items()}
 
     # --- HTTP ----------------------------------------------------------------------------------
 
@@ -308,24 +317,24 @@ class Router:
     @fastapi_app.get("/v1/models")
     async def models(self) -> dict:
         data = [{"id": m.name, "object": "model", "owned_by": "disagg", "root": m.cfg.model.source,
-                 "max_model_len": m.cfg.model.max_model_len} for m in self.models.values()]
+                 "max_model_len": m.cfg.model.max_model_len} for m in self.served.values()]
         if self.alias:
             data.append({"id": self.alias, "object": "model", "owned_by": "disagg", "root": None,
-                         "max_model_len": max(m.cfg.model.max_model_len for m in self.models.values()),
-                         "routes_to": list(self.models)})
+                         "max_model_len": max(m.cfg.model.max_model_len for m in self.served.values()),
+                         "routes_to": list(self.served)})
         return {"object": "list", "data": data}
 
     @fastapi_app.get("/health")
     async def health(self) -> Response:
         expected = self._expected()
-        have = {(m, r): len(self._pool(self.models[m], r)) for m, r in expected}
+        have = {(m, r): len(self._pool(self.served[m], r)) for m, r in expected}
         ok = all(have[k] >= n for k, n in expected.items())
         counts: dict[str, int] = {}
         want: dict[str, int] = {}
         for (m, r), n in expected.items():
             counts[r.value] = counts.get(r.value, 0) + have[(m, r)]
             want[r.value] = want.get(r.value, 0) + n
-        per_model = {m: {r.value: have[(mm, r)] for (mm, r) in expected if mm == m} for m in self.models}
+        per_model = {m: {r.value: have[(mm, r)] for (mm, r) in expected if mm == m} for m in self.served}
         return JSONResponse({"status": "ok" if ok else "starting", "instances": counts, "expected": want,
                              "models": per_model}, status_code=200 if ok else 503)
 
@@ -337,7 +346,7 @@ class Router:
             "models": {m.name: {"policy": m.policy.name, "policy_params": m.policy_params,
                                 "cost_model": m.cost_model.name,
                                 "layout": "colocated" if m.cfg.is_colocated else "disaggregated"}
-                       for m in self.models.values()},
+                       for m in self.served.values()},
             "instances": {i.instance_id: {"role": i.role.value, "model": i.model, **i.raw,
                                           "backlog_s": self.ledger.backlog_s(i.instance_id),
                                           "queued": self.ledger.queued(i.instance_id)}
@@ -349,10 +358,10 @@ class Router:
         """The models an admin call applies to: `model` in the body, else all of them."""
         name = body.get("model")
         if name is None:
-            return list(self.models.values())
-        if name not in self.models:
-            raise ApiError(f"unknown model {name!r}; served: {sorted(self.models)}", param="model")
-        return [self.models[name]]
+            return list(self.served.values())
+        if name not in self.served:
+            raise ApiError(f"unknown model {name!r}; served: {sorted(self.served)}", param="model")
+        return [self.served[name]]
 
     @fastapi_app.post("/admin/policy")
     async def admin_policy(self, request: Request) -> Response:
@@ -390,7 +399,7 @@ class Router:
             source = body["cost_model"]
             targets = self._admin_models(body)
             if len(targets) != 1:
-                raise ApiError(f"this app serves {len(self.models)} models: name one with 'model'", param="model")
+                raise ApiError(f"this app serves {len(self.served)} models: name one with 'model'", param="model")
             m = targets[0]
             cm = load_profile(source)
             if cm.calibrated and cm.model and cm.model != m.cfg.model.source:
@@ -409,9 +418,9 @@ class Router:
     @fastapi_app.post("/admin/reset_prefix_cache")
     async def admin_reset_prefix_cache(self) -> dict:
         out = {}
-        for m in self.models.values():
+        for m in self.served.values():
             for role, h in m.handles.items():
-                key = role.value if len(self.models) == 1 else f"{m.name}:{role.value}"
+                key = role.value if len(self.served) == 1 else f"{m.name}:{role.value}"
                 out[key] = await h.broadcast("reset_prefix_cache").results_async(timeout_s=30.0)
         return out
 
@@ -470,14 +479,14 @@ class Router:
 
     def _default_limit_s(self, slo: SloClass) -> float:
         """The SLO class's TTFT target: the strictest among the models' cost models."""
-        return min(m.cost_model.target(slo).ttft_s for m in self.models.values())
+        return min(m.cost_model.target(slo).ttft_s for m in self.served.values())
 
     def _targets(self, name: str) -> list[_Model]:
-        if name in self.models:
-            return [self.models[name]]
+        if name in self.served:
+            return [self.served[name]]
         if name == self.alias:
-            return list(self.models.values())
-        served = sorted(self.models) + ([self.alias] if self.alias else [])
+            return list(self.served.values())
+        served = sorted(self.served) + ([self.alias] if self.alias else [])
         raise ApiError(f"unknown model {name!r}; served: {', '.join(repr(s) for s in served)}", param="model")
 
     def _fitting(self, models: list[_Model], req, prompts: dict[str, list[int]]) -> list[_Model]:
@@ -485,9 +494,11 @@ class Router:
         ok = [m for m in models if len(prompts[m.name]) + (req.max_tokens or 1) <= m.cfg.model.max_model_len]
         if not ok:
             p = max(len(v) for v in prompts.values())
+            too_long = all(len(prompts[m.name]) >= m.cfg.model.max_model_len for m in models)
+            param = ("messages" if hasattr(req, "messages") else "prompt") if too_long else "max_tokens"
             raise ApiError(f"the prompt has {p} tokens and max_tokens is {req.max_tokens}: no model's context "
                            f"window holds them (largest {max(m.cfg.model.max_model_len for m in models)})",
-                           param="max_tokens" if req.max_tokens else "prompt")
+                           param=param)
         return ok
 
     def _tokenize(self, model: _Model, req, chat: bool) -> list[int]:
@@ -571,7 +582,7 @@ class Router:
             raise ApiError(f"latency routing failed: {e}", status=500, kind="internal_error") from None
         f.alias_us = (time.perf_counter() - t0) * 1e6
         f.choice = choice
-        f.model = self.models[choice.model]
+        f.model = self.served[choice.model]
         f.prompt_ids = prompts[choice.model]
         f.sampling = self._sampling(f.model, f.req, len(f.prompt_ids))
 
@@ -762,12 +773,3 @@ class Router:
                            "accuracy": c.accuracy, "cost": c.cost, "utility": c.utility,
                            "alias_decision_us": f.alias_us})
         self.log.write(record)
-
-
-_POOL_ROLE = {"prefill": Role.PREFILL, "decode": Role.DECODE, "colocated": Role.BOTH}
-
-
-def _tokenizer(source: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_model(source))

@@ -1,0 +1,224 @@
+"""The TTFT estimator's error on real engines under load, through the multi-model router's alias.
+
+Usage (from the repository root, with no other Ray cluster on the machine):
+
+    .venv/bin/python benchmarks/ttft_estimator_live.py --rates 2 4 8 --requests 60 \
+        --json runs/ttft_estimator_live.json
+    # against a multi-model app already up (its request log must be readable here):
+    .venv/bin/python benchmarks/ttft_estimator_live.py --url http://127.0.0.1:8000 --log runs/multi-requests.jsonl
+
+It serves deployments/local-multi.yaml (tiny:tiny and tiny:small, one colocated vLLM engine each)
+with `disagg.graph.launch.LocalStack`, and drives `model: auto` open-loop: at each rate, `--requests`
+streaming completions with Poisson arrivals (seeded), prompts of 16–1,500 tokens (log-uniform),
+`--tokens` output tokens (ignore_eos), random token ids (no prefix-cache hits), each with a TTFT limit drawn from `--limits-ms` and λ = 0,
+so the alias trades the accurate small model against the fast tiny one request by request.
+
+At routing time the router logs, per request, the estimated TTFT of the instance it chose
+(`estimated_ttft_s`, the engine-simulating estimator run on the router's snapshot of that
+instance) next to three measurements of the same first token:
+- engine: `decode_engine_first_s`, inside the engine replica from the call to the first output;
+- router: `ttft_s`, from the router's decision to the first token back from the replica;
+- client: send → the first SSE event carrying a choice (adds the HTTP proxy and parsing).
+The estimator models the engine, so *engine* is its truth; *router* and *client* show what the
+serving path adds on top. For each, the absolute percentage error |est − measured| / measured:
+its mean (MAPE), median and p10/p90 across requests, and the median signed error (bias).
+It also reports the share of queries whose measured TTFT met their limit, per rate and per model.
+
+Bounded: every request has a timeout, every rate a deadline; the stack is always torn down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+def prompt_of(rng: random.Random, tokens: int) -> list[int]:
+    # token ids: exact prompt lengths, and random ones so that the prefix cache never hits
+    # (both models share the tiny models' tokenizer; ids 3.. skip its special tokens)
+    return [rng.randrange(3, 2000) for _ in range(tokens)]
+
+
+async def one(client: httpx.AsyncClient, body: dict, headers: dict, timeout_s: float) -> dict:
+    t0 = time.perf_counter()
+    out = {"client_ttft_s": None, "id": None, "status": None, "error": None}
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+                out["status"] = r.status_code
+                if r.status_code != 200:
+                    out["error"] = (await r.aread()).decode()[:200]
+                    return out
+                out["route"] = r.headers.get("x-disagg-route")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    out["id"] = out["id"] or chunk.get("id")
+                    if out["client_ttft_s"] is None and chunk.get("choices"):
+                        out["client_ttft_s"] = time.perf_counter() - t0
+    except (TimeoutError, httpx.HTTPError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+async def drive(url: str, rate: float, n: int, args, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    lo, hi = math.log(16), math.log(1500)
+    plan = []
+    t = 0.0
+    for i in range(n):
+        t += rng.expovariate(rate)
+        p = int(math.exp(rng.uniform(lo, hi)))
+        limit = rng.choice(args.limits_ms)
+        plan.append((t, p, limit))
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+        start = time.perf_counter()
+
+        async def at(t_send, p, limit):
+            await asyncio.sleep(max(0.0, start + t_send - time.perf_counter()))
+            body = {"model": "auto", "prompt": prompt_of(rng_prompts, p), "max_tokens": args.tokens,
+                    "ignore_eos": True, "temperature": 0.0, "stream": True}
+            res = await one(client, body, {"X-TTFT-Limit-Ms": str(limit), "X-Route-Lambda": "0"}, args.timeout)
+            return {**res, "limit_s": limit / 1e3, "prompt_words": p, "rate": rate}
+
+        rng_prompts = random.Random(seed + 1)
+        return await asyncio.wait_for(asyncio.gather(*(at(*x) for x in plan)),
+                                      timeout=plan[-1][0] + args.timeout + 30)
+
+
+def read_log(path: Path, ids: set[str], deadline_s: float = 15.0) -> dict[str, dict]:
+    end = time.monotonic() + deadline_s
+    found: dict[str, dict] = {}
+    while time.monotonic() < end:
+        if path.exists():
+            for line in path.read_text().splitlines():
+                rec = json.loads(line)
+                if rec.get("id") in ids:
+                    found[rec["id"]] = rec
+        if len(found) == len(ids):
+            break
+        time.sleep(0.5)
+    return found
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def errors(rows: list[dict], key: str) -> dict:
+    pairs = [(r["estimated_ttft_s"], r[key]) for r in rows if r.get(key) and r.get("estimated_ttft_s") is not None]
+    if not pairs:
+        return {"n": 0}
+    ape = [abs(e - m) / m for e, m in pairs]
+    signed = [(e - m) / m for e, m in pairs]
+    return {"n": len(pairs), "mape": statistics.fmean(ape), "median_ape": statistics.median(ape),
+            "p10_ape": pct(ape, 0.1), "p90_ape": pct(ape, 0.9), "median_signed": statistics.median(signed),
+            "median_measured_ms": 1e3 * statistics.median(m for _, m in pairs),
+            "median_estimated_ms": 1e3 * statistics.median(e for e, _ in pairs)}
+
+
+def summarize(rows: list[dict]) -> dict:
+    ok = [r for r in rows if r.get("estimated_ttft_s") is not None]
+    met = [r for r in ok if r.get("client_ttft_s") is not None]
+    return {
+        "requests": len(rows), "served": len(ok),
+        "by_model": {m: sum(1 for r in ok if r["model"] == m) for m in sorted({r["model"] for r in ok})},
+        "engine": errors(ok, "decode_engine_first_s"), "router": errors(ok, "ttft_s"),
+        "client": errors(ok, "client_ttft_s"),
+        "met_limit_client": (sum(r["client_ttft_s"] <= r["limit_s"] for r in met) / len(met)) if met else None,
+        "met_limit_router": (sum(r["ttft_s"] <= r["limit_s"] for r in ok) / len(ok)) if ok else None,
+        "chosen_feasible": (sum(bool(r["feasible"]) for r in ok) / len(ok)) if ok else None,
+    }
+
+
+def markdown(results: dict) -> str:
+    out = ["| rate req/s | served | tiny / small | measured | MAPE | median APE | p10–p90 APE | median signed | "
+           "met limit |", "|---|---|---|---|---|---|---|---|---|"]
+    for rate, s in results["rates"].items():
+        bm = s["by_model"]
+        for key in ("engine", "router", "client"):
+            e = s[key]
+            if not e.get("n"):
+                continue
+            met = s["met_limit_router"] if key != "client" else s["met_limit_client"]
+            out.append(f"| {rate} | {s['served']}/{s['requests']} | {bm.get('tiny-qwen2', 0)} / {bm.get('small-qwen2', 0)} | "
+                       f"{key} (median {e['median_measured_ms']:.1f} ms, est. {e['median_estimated_ms']:.1f} ms) | "
+                       f"{e['mape']:.0%} | {e['median_ape']:.0%} | {e['p10_ape']:.0%}–{e['p90_ape']:.0%} | "
+                       f"{e['median_signed']:+.0%} | {met:.0%} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rates", type=float, nargs="+", default=[2.0, 4.0, 8.0], help="requests per second")
+    ap.add_argument("--requests", type=int, default=60, help="requests per rate")
+    ap.add_argument("--tokens", type=int, default=32, help="output tokens per request (ignore_eos)")
+    ap.add_argument("--limits-ms", type=float, nargs="+", default=[40.0, 150.0, 1000.0])
+    ap.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=6, help="unmeasured requests before the first rate")
+    ap.add_argument("--config", default=str(ROOT / "deployments" / "local-multi.yaml"))
+    ap.add_argument("--url", help="use a running multi-model app instead of starting one")
+    ap.add_argument("--log", help="its request log (with --url)")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    if any(r <= 0 for r in args.rates) or args.requests < 1 or args.requests > 2000:
+        ap.error("rates must be > 0 and --requests in 1..2000")
+
+    def run(url: str, log: Path) -> dict:
+        asyncio.run(drive(url, 2.0, args.warmup, args, seed=args.seed + 999))  # engines warm, predictor fed
+        results = {"config": args.config, "tokens": args.tokens, "limits_ms": args.limits_ms, "rates": {},
+                   "requests_per_rate": args.requests}
+        for k, rate in enumerate(args.rates):
+            t0 = time.monotonic()
+            sent = asyncio.run(drive(url, rate, args.requests, args, seed=args.seed + k))
+            ids = {r["id"] for r in sent if r["id"]}
+            logged = read_log(log, ids)
+            rows = [{**logged[r["id"]], **r} for r in sent if r["id"] in logged]
+            results["rates"][f"{rate:g}"] = s = summarize(rows)
+            s["failed"] = [r["error"] for r in sent if r["error"]][:5]
+            print(f"rate {rate:g}/s: {s['served']}/{s['requests']} served in {time.monotonic() - t0:.0f} s, "
+                  f"engine MAPE {s['engine'].get('mape', float('nan')):.1%}, met limit (client) "
+                  f"{s['met_limit_client'] or 0:.0%}, by model {s['by_model']}", flush=True)
+            time.sleep(2.0)  # drain between rates
+        return results
+
+    if args.url:
+        if not args.log:
+            ap.error("--url needs --log (the app's request log)")
+        results = run(args.url, Path(args.log))
+    else:
+        import tempfile
+
+        from disagg.graph.launch import LocalStack
+
+        with tempfile.TemporaryDirectory() as run_dir:
+            os.environ["DISAGG_RUN_DIR"] = run_dir
+            log_rel = __import__("yaml").safe_load(Path(args.config).read_text())["applications"][0]["args"]["router"]["request_log"]
+            with LocalStack(args.config, log=lambda m: print(f"[stack] {m}", flush=True)) as stack:
+                results = run(stack.base_url, Path(run_dir) / log_rel)
+    print()
+    print(markdown(results))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
