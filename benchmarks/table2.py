@@ -3,8 +3,8 @@
 Usage (from the repository root, nothing else running; the Azure traces in $DISAGG_TRACE_DIR):
 
     disagg calibrate --config deployments/local.yaml --out runs/cpu-calibrated.yaml
-    .venv/bin/python benchmarks/table2.py --cost-model runs/cpu-calibrated.yaml --rate 8 \
-        --max-requests 200 --out runs/table2
+    .venv/bin/python benchmarks/table2.py --cost-model runs/cpu-calibrated.yaml --rate 3 \
+        --max-requests 120 --sim --out runs/table2
 
 It starts the CPU profile (deployments/local.yaml: router, 1 prefill + 2 decode vLLM engines of
 the offline tiny model, NIXL between them) on a local Ray cluster, points its router at
@@ -12,7 +12,8 @@ the offline tiny model, NIXL between them) on a local Ray cluster, points its ro
 replica choice; the same engine settings, the same topology, the same NIXL connector) on the
 same cluster under /raylm, then runs `disagg bench` once over three traces: the two Azure traces
 and a generated bursty mix (`mixed_bursty`, written into the output folder) — every policy of
-ours, then Ray Serve LLM, on each trace in turn, with every gate. Everything it started is
+ours, then Ray Serve LLM, on each trace in turn, with every gate (`--sim`: the simulator too, on
+the same slices with the same constants: the sim-vs-live table). Everything it started is
 stopped at the end, even on failure or Ctrl-C. Rerunning the command with the same settings
 resumes the bench where it stopped.
 
@@ -63,6 +64,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--no-realtime", action="store_true", help="do not run the generator under SCHED_FIFO")
+    ap.add_argument("--sim", action="store_true",
+                    help="also simulate the same slices with --cost-model (the sim-vs-live table)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
@@ -102,7 +105,7 @@ def main(argv=None) -> int:
                      decode_replicas=app.decode.num_replicas)
         cfg = BenchConfig(out=args.out / "bench", traces=tuple(traces), policies=policies, url=stack.base_url,
                           rate=args.rate, saturation=args.saturation, max_requests=args.max_requests or None,
-                          seed=args.seed, cost_model=args.cost_model, realtime=not args.no_realtime,
+                          seed=args.seed, cost_model=args.cost_model, realtime=not args.no_realtime, sim=args.sim,
                           baselines=((RAYLM, f"{stack.base_url}/raylm"),))
         results = run_bench(cfg)
     except GateFailed as e:
