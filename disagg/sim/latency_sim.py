@@ -291,6 +291,7 @@ def simulate_fleet(
     poll_interval_s: float | None = 0.05,
     default_slo: SloClass = SloClass.LOOSE,
     remaining: Callable[[int, int], int] = remaining_output,
+    true_outputs: bool = False,
 ) -> FleetResult:
     """Run the trace through the fleet, each query routed by `router` with its own TTFT limit.
 
@@ -298,7 +299,9 @@ def simulate_fleet(
     output-length predictor predicts at arrival and learns at the last token, as in the P/D
     simulator; the router prices cost and remaining decode work with the prediction, while the
     engines run the true output length. `remaining(predicted, generated)` is the router's guess of a
-    running request's remaining output (see `remaining_output`).
+    running request's remaining output (see `remaining_output`). `true_outputs=True` tells the router
+    every query's true output length instead of the prediction (an upper bound, for the estimator's
+    error breakdown).
     """
     if not fleet:
         raise ValueError("the fleet has no instances")
@@ -346,7 +349,7 @@ def simulate_fleet(
         _, i, r = ev
         slo = r.slo_class or default_slo
         limit = ttft_limit_s(r)
-        predicted = predictor.predict(r.prompt_tokens, slo)
+        predicted = r.output_tokens if true_outputs else predictor.predict(r.prompt_tokens, slo)
         view = [(m, snaps.view(k, now)) for k, m in enumerate(fleet)]
         try:
             t0 = perf_counter()

@@ -26,7 +26,11 @@ Figures per (router, λ, seed), medians over seeds with min–max spread:
 - the estimator's error: for every query, the TTFT estimated for the chosen instance at routing
   time (by the router, or for `accuracy_cost` on the same snapshot for measurement) vs the TTFT
   the query got: MAPE, median APE and mean signed error. A second table separates the sources:
-  the 50 ms poll (as deployed), the exact engine state (prediction error only), and the naive
+  the 50 ms poll (as deployed); the exact engine state (output-length prediction error left); the
+  exact state and true output lengths (left: the step in flight — the estimator starts a fresh
+  step at the decision, so the rest of a decode step in flight is missed and a prefill chunk in
+  flight is counted again from the decision — and queries that arrive later and share the new
+  query's steps); and the naive
   remaining-output rule (see disagg.sim.latency_sim.remaining_output);
 - the decision's cost: wall µs per router call (all candidates), p50 and p99, on this machine.
 `load_balance` does not depend on λ: it runs once per seed and its utility is evaluated at each λ.
@@ -156,11 +160,13 @@ def run_study(trace: Sequence[TraceRequest], cm: CostModel, *, fleet_spec: str, 
             for name in ("latency_aware", "accuracy_cost"):
                 res = simulate_fleet(queries, fleet, build_router(name, lam, table), limit)
                 runs.append(figures(res, fleet, name, lam, seed))
-        for label, poll, rem in (("50 ms poll (as deployed)", 0.05, remaining_output),
-                                 ("exact engine state", None, remaining_output),
-                                 ("50 ms poll, naive remaining output", 0.05, naive_remaining_output)):
+        for label, poll, rem, truth in (
+                ("50 ms poll (as deployed)", 0.05, remaining_output, False),
+                ("exact engine state", None, remaining_output, False),
+                ("exact engine state, true output lengths", None, naive_remaining_output, True),
+                ("50 ms poll, naive remaining output", 0.05, naive_remaining_output, False)):
             res = simulate_fleet(queries, fleet, build_router("latency_aware", est_lam, table), limit,
-                                 poll_interval_s=poll, remaining=rem)
+                                 poll_interval_s=poll, remaining=rem, true_outputs=truth)
             f = figures(res, fleet, "latency_aware", est_lam, seed)
             estimator.append({"snapshot": label, "seed": seed, "lam": est_lam, "mape": f.mape,
                               "median_ape": f.median_ape, "bias": f.bias, "attainment": f.attainment})

@@ -93,7 +93,7 @@ def test_study_writes_its_table_json_and_plot(tmp_path, capsys):
         assert r["utility_on_time"] <= r["utility"] + 1e-12  # a late answer's accuracy counts 0
         if r["attainment"] == 1.0:
             assert r["utility_on_time"] == pytest.approx(r["utility"])
-    assert len(result["estimator"]) == 3 * 2
+    assert len(result["estimator"]) == 4 * 2
 
 
 @pytest.mark.parametrize("extra,message", [

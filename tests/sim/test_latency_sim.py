@@ -172,3 +172,12 @@ def test_bad_fleets_are_refused_with_the_reason():
         simulate_fleet(workload(3, 1.0), fleet() + fleet(), build_router("load_balance", 0.0, ACC), limit)
     with pytest.raises(ValueError, match="unknown fleet router"):
         build_router("fastest", 0.0, ACC)
+
+
+
+def test_true_outputs_tell_the_router_each_querys_real_output_length():
+    trace = workload(60, 4.0)
+    res = simulate_fleet(trace, fleet(), build_router("latency_aware", 0.0, ACC), limit, true_outputs=True)
+    assert all(r.predicted_output_tokens == r.output_tokens for r in res.records)
+    res = simulate_fleet(trace, fleet(), build_router("latency_aware", 0.0, ACC), limit)
+    assert any(r.predicted_output_tokens != r.output_tokens for r in res.records)
