@@ -99,6 +99,10 @@ class _Model:
     predictor: BucketMeanPredictor
     id_prefix: str  # instance ids: <prefix><role>-<replica>
     prices: ModelPrices | None = None
+    decode_stream: Any = None  # the decoding pool's handle in streaming mode
+
+    def __post_init__(self) -> None:
+        self.decode_stream = self.handles[self.decode_role].options(stream=True)
 
     @property
     def decode_role(self) -> Role:
@@ -663,7 +667,7 @@ class Router:
                 continue
             call = {"request_id": f"{f.rid}-d{n}", "prompt_token_ids": f.prompt_ids, "sampling": f.sampling,
                     "kv_transfer_params": kv if n == 0 else None}
-            stream = m.handles[m.decode_role].options(stream=True).decode.remote(call, replica=inst.replica)
+            stream = m.decode_stream.decode.remote(call, replica=inst.replica)
             try:
                 first = await stream.__anext__()
             except asyncio.CancelledError:
