@@ -182,3 +182,34 @@ def test_more_work_ahead_means_a_later_estimated_first_token():
     idle = estimate_ttft(c, instance_snapshot([], c), 200).ttft_s
     busy = estimate_ttft(c, instance_snapshot([FlightFacts(1500, 64, False)] * 4, c), 200).ttft_s
     assert busy > idle
+
+
+# --- the routing headers ------------------------------------------------------------------------
+
+
+def _request(headers: dict):
+    from starlette.requests import Request
+
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                    "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]})
+
+
+@pytest.mark.parametrize("raw, positive, expected", [
+    ("250", True, 250.0), ("0.5", True, 0.5), ("1e3", True, 1000.0),
+    ("0", False, 0.0), ("12.5", False, 12.5),
+    ("0", True, None), ("-1", True, None), ("-0.1", False, None), ("nan", False, None), ("inf", True, None),
+    ("1e400", False, None), ("fast", True, None), ("", False, None),
+])
+def test_routing_headers_are_positive_or_non_negative_finite_numbers(raw, positive, expected):
+    pytest.importorskip("ray.serve")
+    from disagg.graph.openai_api import ApiError
+    from disagg.graph.router import _header_number
+
+    name = "X-TTFT-Limit-Ms" if positive else "X-Route-Lambda"
+    if expected is None:
+        with pytest.raises(ApiError) as e:
+            _header_number(_request({name: raw}), name, minimum_exclusive=positive)
+        assert e.value.param == name and e.value.status == 400 and name in e.value.message
+    else:
+        assert _header_number(_request({name: raw}), name, minimum_exclusive=positive) == expected
+    assert _header_number(_request({}), name, minimum_exclusive=positive) is None
