@@ -181,7 +181,7 @@ async def engine_request(P, D, rid: str, ids: list[int], tokens: int) -> Result:
 # System C: Ray Serve LLM's P/D app
 # ------------------------------------------------------------------------------------------------
 
-def raylm_llm_config(model_path: str) -> dict:
+def raylm_llm_config(model_path: str, engine_cpus: float = 0.5) -> dict:
     """One LLMConfig for Ray Serve LLM on this CPU machine (CPU-STACK.md), engine settings as ours."""
     from disagg.graph.engine import nixl_reserved_cpus
 
@@ -196,7 +196,8 @@ def raylm_llm_config(model_path: str) -> dict:
     return {
         "model_loading_config": {"model_id": MODEL, "model_source": model_path},
         "accelerator_config": {"kind": "cpu"},
-        "placement_group_config": {"bundles": [{"CPU": 0.5}]},
+        # a logical reservation, not a speed limit: it must fit beside our app on Ray's 2 CPUs
+        "placement_group_config": {"bundles": [{"CPU": engine_cpus}]},
         "deployment_config": {"ray_actor_options": {"num_cpus": 0}},
         "engine_kwargs": {
             "max_model_len": 2048, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
@@ -222,10 +223,10 @@ print("deployed", flush=True)
 
 
 def deploy_raylm(model_path: str, timeout_s: float, direct: bool = False, prefill_replicas: int = 1,
-                 decode_replicas: int = 1) -> None:
+                 decode_replicas: int = 1, engine_cpus: float = 0.5) -> None:
     from disagg.graph.launch import RAY_ENV  # loopback only: without it ray.init hangs on the eth0 address
 
-    cfg = raylm_llm_config(model_path)
+    cfg = raylm_llm_config(model_path, engine_cpus)
     pd = {"prefill_config": cfg, "decode_config": json.loads(json.dumps(cfg))}
     pd["prefill_config"]["deployment_config"]["num_replicas"] = prefill_replicas
     pd["decode_config"]["deployment_config"]["num_replicas"] = decode_replicas

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import urllib.request
 from pathlib import Path
@@ -101,8 +102,10 @@ def main(argv=None) -> int:
     try:
         stack.start()
         log(f"router constants: {post_json(f'{stack.base_url}/admin/cost_model', {'cost_model': args.cost_model})}")
+        # the same logical CPU reservation per engine as ours: three engines of 0.5 beside our app
+        # do not fit on 2 CPUs, and Serve would wait for resources forever
         deploy_raylm(str(build_tiny_model()), args.start_timeout, prefill_replicas=app.prefill.num_replicas,
-                     decode_replicas=app.decode.num_replicas)
+                     decode_replicas=app.decode.num_replicas, engine_cpus=app.decode.num_cpus)
         cfg = BenchConfig(out=args.out / "bench", traces=tuple(traces), policies=policies, url=stack.base_url,
                           rate=args.rate, saturation=args.saturation, max_requests=args.max_requests or None,
                           seed=args.seed, cost_model=args.cost_model, realtime=not args.no_realtime, sim=args.sim,
@@ -121,6 +124,13 @@ def main(argv=None) -> int:
     return 0 if all(g["passed"] for g in results["gates"]) else 1
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
     os.environ.setdefault("DISAGG_RUN_DIR", os.getcwd())
+    # SIGTERM (`timeout`, a supervisor) and Ctrl-C both end in the teardown of everything started
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     sys.exit(main())
