@@ -1,6 +1,6 @@
 """`disagg study latency-routing`: accuracy − λ·cost vs TTFT attainment over λ, three routers, one fleet.
 
-The setting (every choice is a flag; the defaults are what the README reports):
+The setting (every choice is a flag; `--rate` has no default, the README reports 10 req/s):
 - fleet: colocated instances of two models on A40-class GPUs, `small:2,large:2`. `small` has the
   cost-model profile's engine constants (a40: Qwen2.5-3B). `large` is a model `--large-scale`× the
   size (2.5: a 7B-class model) on the same hardware: every step-time term scaled by that factor
@@ -8,9 +8,10 @@ The setting (every choice is a flag; the defaults are what the README reports):
   the same 60k-token KV budget (a configured budget that a 7B model's free A40 memory still holds);
 - prices (illustrative, in $ per token, about proportional to size): small $0.10 / $0.30 per
   million input / output tokens, large $0.30 / $0.90; λ is in accuracy per $;
-- accuracy: an `AccuracyTable` trained on SYNTHETIC evaluations (disagg.sim.synthetic_accuracy:
-  the large model more accurate, more so on long prompts), or `--accuracy` (a table saved by
-  `disagg accuracy train`); served queries are scored with the synthetic ground truth;
+- accuracy: an `AccuracyTable` trained on 4000 SYNTHETIC evaluations per model, drawn with the seed
+  (disagg.sim.synthetic_accuracy: the large model more accurate, more so on long prompts), or
+  `--accuracy` (a table saved by `disagg accuracy train`); served queries are scored with the
+  synthetic ground truth;
 - queries: a slice of a real trace per seed (seed s takes requests [s·n, (s+1)·n) of the trace),
   rescaled to `--rate`; each query's TTFT limit is its SLO class's target in the cost model (a40:
   tight 175 ms, loose 525 ms), the class drawn with `--tight-share` and the seed;
@@ -30,8 +31,7 @@ Figures per (router, λ, seed), medians over seeds with min–max spread:
   exact state and true output lengths (left: the step in flight — the estimator starts a fresh
   step at the decision, so the rest of a decode step in flight is missed and a prefill chunk in
   flight is counted again from the decision — and queries that arrive later and share the new
-  query's steps); and the naive
-  remaining-output rule (see disagg.sim.latency_sim.remaining_output);
+  query's steps); and the naive remaining-output rule (disagg.sim.latency_sim.remaining_output);
 - the decision's cost: wall µs per router call (all candidates), p50 and p99, on this machine.
 `load_balance` does not depend on λ: it runs once per seed and its utility is evaluated at each λ.
 """
@@ -298,9 +298,9 @@ def main(args) -> int:
         raise UsageError(f"--large-scale must be > 0, got {args.large_scale!r}")
     if args.rate is None or not (args.rate > 0):
         raise UsageError("latency-routing needs --rate (mean arrival rate in req/s, > 0)")
+    cm = load_profile(args.cost_model)
     try:
-        fleet_counts = parse_fleet(args.fleet)
-        make_fleet(fleet_counts, fleet_models(load_profile(args.cost_model), args.large_scale))
+        make_fleet(parse_fleet(args.fleet), fleet_models(cm, args.large_scale))
     except ValueError as e:
         raise UsageError(f"--fleet: {e}") from None
     table = None
@@ -309,7 +309,6 @@ def main(args) -> int:
             table = AccuracyTable.load(args.accuracy)
         except EvaluationError as e:
             raise UsageError(str(e)) from None
-    cm = load_profile(args.cost_model)
     trace = read_trace(resolve_trace(args.trace))
     for seed in seeds:
         try:
