@@ -132,18 +132,33 @@ def errors(rows: list[dict], key: str) -> dict:
             "median_estimated_ms": 1e3 * statistics.median(e for e, _ in pairs)}
 
 
-def summarize(rows: list[dict]) -> dict:
+def summarize(rows: list[dict], per_model: bool = True) -> dict:
     ok = [r for r in rows if r.get("estimated_ttft_s") is not None]
     met = [r for r in ok if r.get("client_ttft_s") is not None]
+    models = sorted({r["model"] for r in ok})
     return {
+        **({"per_model": {m: summarize([r for r in ok if r["model"] == m], False) for m in models}}
+           if per_model else {}),
         "requests": len(rows), "served": len(ok),
-        "by_model": {m: sum(1 for r in ok if r["model"] == m) for m in sorted({r["model"] for r in ok})},
+        "by_model": {m: sum(1 for r in ok if r["model"] == m) for m in models},
         "engine": errors(ok, "decode_engine_first_s"), "router": errors(ok, "ttft_s"),
         "client": errors(ok, "client_ttft_s"),
         "met_limit_client": (sum(r["client_ttft_s"] <= r["limit_s"] for r in met) / len(met)) if met else None,
         "met_limit_router": (sum(r["ttft_s"] <= r["limit_s"] for r in ok) / len(ok)) if ok else None,
         "chosen_feasible": (sum(bool(r["feasible"]) for r in ok) / len(ok)) if ok else None,
     }
+
+
+def markdown_per_model(results: dict) -> str:
+    out = ["| rate req/s | model | requests | engine TTFT median | estimate median | MAPE (engine) | "
+           "median signed |", "|---|---|---|---|---|---|---|"]
+    for rate, s in results["rates"].items():
+        for m, pm in s.get("per_model", {}).items():
+            e = pm["engine"]
+            if e.get("n"):
+                out.append(f"| {rate} | {m} | {pm['served']} | {e['median_measured_ms']:.1f} ms | "
+                           f"{e['median_estimated_ms']:.1f} ms | {e['mape']:.0%} | {e['median_signed']:+.0%} |")
+    return "\n".join(out)
 
 
 def markdown(results: dict) -> str:
@@ -191,6 +206,10 @@ def main(argv=None) -> int:
             logged = read_log(log, ids)
             rows = [{**logged[r["id"]], **r} for r in sent if r["id"] in logged]
             results["rates"][f"{rate:g}"] = s = summarize(rows)
+            results.setdefault("requests", []).extend(
+                {k: r.get(k) for k in ("rate", "model", "prompt_tokens", "limit_s", "estimated_ttft_s",
+                                       "decode_engine_first_s", "ttft_s", "client_ttft_s", "feasible")}
+                for r in rows)
             s["failed"] = [r["error"] for r in sent if r["error"]][:5]
             print(f"rate {rate:g}/s: {s['served']}/{s['requests']} served in {time.monotonic() - t0:.0f} s, "
                   f"engine MAPE {s['engine'].get('mape', float('nan')):.1%}, met limit (client) "
@@ -214,6 +233,8 @@ def main(argv=None) -> int:
                 results = run(stack.base_url, Path(run_dir) / log_rel)
     print()
     print(markdown(results))
+    print()
+    print(markdown_per_model(results))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))
