@@ -258,9 +258,19 @@ def cmd_calibrate(args) -> int:
     from disagg.graph.config import ConfigError, load_serve_config
 
     try:
-        (_, cfg), *_ = load_serve_config(args.config)
+        apps = load_serve_config(args.config)
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    served = {cfg.model.served_name: cfg for _, cfg in apps}
+    if args.model is not None:
+        if args.model not in served:
+            raise UsageError(f"--model {args.model!r}: {args.config} serves {', '.join(served)}")
+        cfg = served[args.model]
+    elif len(served) > 1:
+        raise UsageError(f"{args.config} serves {len(served)} models ({', '.join(served)}); each is calibrated "
+                         "on its own engines: pick one with --model")
+    else:
+        cfg = apps[0][1]
     out = Path(args.out)
     if args.url is not None:
         _check_reachable(args.url.rstrip("/"))
@@ -317,9 +327,11 @@ def cmd_check_config(args) -> int:
     except ConfigError as e:
         raise UsageError(str(e)) from None
     for name, cfg in apps:
-        print(f"{args.config}: application {name!r} ok: {cfg.prefill.num_replicas} prefill + "
-              f"{cfg.decode.num_replicas} decode on {cfg.engine.device}, model {cfg.model.source}, "
-              f"policy {cfg.router.policy}, cost model {cfg.router.cost_model}")
+        pools = " + ".join(f"{pool.num_replicas} {role}" for role, pool in cfg.pools().items())
+        cm = cfg.router.cost_model
+        cm = f"{cm.get('name', '?')} (inline)" if isinstance(cm, dict) else cm
+        print(f"{args.config}: application {name!r} ok: {pools} on {cfg.engine.device}, model {cfg.model.source}, "
+              f"policy {cfg.router.policy}, cost model {cm}")
     return 0
 
 
@@ -429,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--url", help="a running app (e.g. http://127.0.0.1:8000): also measure the serving path's "
                                    "overhead outside the engines, for the simulator and the TTFT targets")
     cal.add_argument("--url-requests", type=int, default=16, help="lone requests through the app for --url")
+    cal.add_argument("--model", help="the served model to calibrate, in a config that serves several")
     cal.set_defaults(func=cmd_calibrate)
 
     acc = sub.add_parser("accuracy", help="the accuracy estimator of latency-aware routing: train it, or make "
