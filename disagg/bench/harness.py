@@ -39,6 +39,9 @@ What one invocation does, in this order:
    the app saturates the machine's cores, a normally scheduled generator wakes up late (see
    `loadgen.realtime_priority` for the measurements) and its send lag, not the trace, shapes the
    arrivals; every run reports its send-lag P99 and is flagged above `lag_bound_s` either way.
+   With `--baseline NAME=URL`, another OpenAI-compatible system (Ray Serve LLM's P/D app, for
+   one) gets the same slice right after our policies on each trace, lines with `system: NAME`,
+   after its own gates (token count, a warm-up: its instances cannot be addressed or reset).
 6. `--sim`: `disagg.sim.runner.simulate` on the same slices, with `--cost-model` and the
    topology (by default the live app's instance counts, else 1P2D); its `RequestRecord`s become
    lines of the same schema with `system: "sim"`.
