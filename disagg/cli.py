@@ -79,14 +79,14 @@ def _json_default(x):
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
 
 
-def _clean(obj):
-    """NaN is not JSON: write null."""
+def json_safe(obj):
+    """NaN and infinities are not JSON: write null (recursively through dicts and lists)."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
+        return {k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_clean(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj
 
 
@@ -172,7 +172,7 @@ def cmd_sim(args) -> int:
     if args.json:
         total_req = sum(s["requests"] for s in results.values())
         total_wall = sum(s["sim_wall_s"] for s in results.values())
-        write_json_atomic(Path(args.json), _clean({
+        write_json_atomic(Path(args.json), json_safe({
             "trace": str(args.trace), "topology": str(topology), "cost_model": cost_model.name,
             "seed": args.seed, "rate": effective_rate, "saturation": saturation,
             "policies": results, "sim_requests_per_s": total_req / total_wall if total_wall else None,
@@ -190,7 +190,7 @@ def cmd_traces_download(args) -> int:
 
 def cmd_traces_stats(args) -> int:
     trace = read_trace(resolve_trace(args.trace), args.format)
-    print(json.dumps(_clean(trace_stats(trace)), indent=2))
+    print(json.dumps(json_safe(trace_stats(trace)), indent=2))
     return 0
 
 

@@ -82,6 +82,7 @@ from disagg.bench.loadgen import (
     ClientResult, ClientShards, PlannedRequest, event_loop_runner, prompt_seed, realtime_priority, run_open_loop,
     send_one,
 )
+from disagg.cli import json_safe, write_json_atomic
 from disagg.core.cost_model import CostModel, load_profile
 from disagg.core.policies import known_policies, policy_class
 from disagg.core.types import SloClass
@@ -217,7 +218,7 @@ class RecordStore:
         if self._fd is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        line = (json.dumps(_finite(rec), separators=(",", ":")) + "\n").encode()
+        line = (json.dumps(json_safe(rec), separators=(",", ":")) + "\n").encode()
         os.write(self._fd, line)
         self.records[key] = rec
 
@@ -225,16 +226,6 @@ class RecordStore:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def _finite(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def to_request_record(rec: dict) -> RequestRecord:
@@ -652,9 +643,7 @@ class Bench:
     # settings.json ------------------------------------------------------------------------------
 
     def _save_settings(self) -> None:
-        from disagg.cli import write_json_atomic
-
-        write_json_atomic(self.cfg.out / SETTINGS_FILE, _finite({
+        write_json_atomic(self.cfg.out / SETTINGS_FILE, json_safe({
             "settings": self.settings, "resolved": self.resolved,
             "info": {"url": self.cfg.url, "traces": {t.name: str(t.path) for t in self.traces},
                      "cost_model_source": self.cfg.cost_model},
@@ -743,15 +732,7 @@ class Bench:
             self._save_settings()  # every input checked: from here on requests are sent
             if cfg.gates:
                 self.log(f"gates: token count, greedy equivalence over {len(target.decode)} decode instances, warm-up")
-                self.gates = await run_gates(c, target, cfg.seed, cfg.request_timeout_s)
-                self.sent["gates"] += sum(g["requests"] for g in self.gates)
-                from disagg.cli import write_json_atomic
-
-                write_json_atomic(cfg.out / GATES_FILE, self.gates)
-                failed = [g for g in self.gates if not g["passed"]]
-                if failed:
-                    raise GateFailed("correctness gate failed, nothing measured: "
-                                     + "; ".join(f"{g['name']}: {g['detail']}" for g in failed))
+                self._record_gates(await run_gates(c, target, cfg.seed, cfg.request_timeout_s), "")
             if cfg.saturation:
                 await self._live_saturation(c)
                 self._plan_all(self._saturation_rates())
@@ -764,15 +745,7 @@ class Bench:
                 if cfg.gates:
                     self.log(f"gates for baseline {name}: token count, warm-up")
                     gates = await baseline_gates(shards.admin, name, model, cfg.seed, cfg.request_timeout_s)
-                    self.gates += gates
-                    self.sent["gates"] += sum(g["requests"] for g in gates)
-                    from disagg.cli import write_json_atomic
-
-                    write_json_atomic(cfg.out / GATES_FILE, self.gates)
-                    failed = [g for g in gates if not g["passed"]]
-                    if failed:
-                        raise GateFailed(f"baseline {name}: correctness gate failed, nothing measured: "
-                                         + "; ".join(f"{g['name']}: {g['detail']}" for g in failed))
+                    self._record_gates(gates, f"baseline {name}: ")
                 baselines[name] = (shards, model)
             # interleaved: on every trace, each of our policies, then each baseline system
             for t in self.traces:
@@ -780,6 +753,16 @@ class Bench:
                     await self._live_run(c, policy, t.name)
                 for name, (shards, model) in baselines.items():
                     await self._live_run(None, name, t.name, system=name, shards=shards, model=model)
+
+    def _record_gates(self, gates: list[dict], what: str) -> None:
+        """Count and keep gate results (gates.json holds every gate so far); stop on a failed one."""
+        self.gates += gates
+        self.sent["gates"] += sum(g["requests"] for g in gates)
+        write_json_atomic(self.cfg.out / GATES_FILE, self.gates)
+        failed = [g for g in gates if not g["passed"]]
+        if failed:
+            raise GateFailed(f"{what}correctness gate failed, nothing measured: "
+                             + "; ".join(f"{g['name']}: {g['detail']}" for g in failed))
 
     async def _live_saturation(self, c: httpx.AsyncClient) -> None:
         """Find each trace's saturation rate by probing the live app (round robin, short slices)."""

@@ -301,8 +301,8 @@ def plot_ttft_cdf(records: Sequence[dict], results: dict, path: Path) -> None:
 
 def write_all(bench: "Bench") -> dict:
     """Summarize the bench folder and write every output file; returns the results dict."""
-    from disagg.bench.harness import LIVE, SIM, _finite
-    from disagg.cli import write_json_atomic
+    from disagg.bench.harness import LIVE, SIM
+    from disagg.cli import json_safe, write_json_atomic
 
     cfg = bench.cfg
     traces = [t.name for t in bench.traces]
@@ -342,7 +342,7 @@ def write_all(bench: "Bench") -> dict:
         "sim_vs_live": sim_vs_live(runs),
         "send_lag_bound_s": cfg.lag_bound_s, "generator_realtime": cfg.realtime,
     }
-    results = _finite(results)
+    results = json_safe(results)
     out = cfg.out
     write_json_atomic(out / RESULTS_JSON, results)
     write_text_atomic(out / RESULTS_MD, markdown(results))

@@ -281,7 +281,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(args) -> int:
-    from disagg.cli import UsageError, _clean, resolve_trace, write_json_atomic
+    from disagg.cli import UsageError, json_safe, resolve_trace, write_json_atomic
     from disagg.core.utility import EvaluationError
     from disagg.sim.traces import read_trace
 
@@ -325,10 +325,10 @@ def main(args) -> int:
           f"seeds={','.join(map(str, seeds))}")
     print(md)
     if args.json:
-        write_json_atomic(Path(args.json), _clean(result))
+        write_json_atomic(Path(args.json), json_safe(result))
     if args.out:
         out = Path(args.out)
-        write_json_atomic(out / "results.json", _clean(result))
+        write_json_atomic(out / "results.json", json_safe(result))
         _write_text(out / "results.md", md + "\n")
         plot(result, out / "utility_attainment.png")
         print(f"\nwrote {out}/results.json, results.md, utility_attainment.png")

@@ -52,7 +52,7 @@ def scaled_decode(cm: CostModel, factor: float) -> CostModel:
 
 
 def main(args) -> int:
-    from disagg.cli import UsageError, resolve_trace, write_json_atomic, _clean
+    from disagg.cli import UsageError, resolve_trace, json_safe, write_json_atomic
 
     if args.name == "latency-routing":
         return latency_study.main(args)
@@ -104,7 +104,7 @@ def main(args) -> int:
           f"base={base} cost_model={cm.name} seed={args.seed}")
     print(markdown(rows, cols))
     if args.json:
-        write_json_atomic(Path(args.json), _clean({"study": args.name, "rate": rate, "rows": rows}))
+        write_json_atomic(Path(args.json), json_safe({"study": args.name, "rate": rate, "rows": rows}))
     return 0
 
 
