@@ -106,16 +106,21 @@ def load_cost_model(source: str | dict) -> CostModel:
     return load_profile(source)
 
 
-class RouterConfig(_Strict):
-    policy: str = Field(default="marginal_cost", description="P/D policy; 'colocated' for a colocated pool")
-    policy_params: dict[str, Any] = Field(default_factory=dict)
-    cost_model: str | dict[str, Any] = Field(default="cpu-tiny", description="shipped profile name, a "
-                                             "cost-model YAML path, or the cost model inline")
+class _RouterSettings(_Strict):
+    """What every router deployment takes, serving one model or several."""
+
     poll_interval_s: float = Field(default=0.05, gt=0, le=10, description="engine state poll period")
     default_slo: SloClass = SloClass.LOOSE
     request_log: str | None = Field(default=None, description="JSON-lines file, one record per request")
     num_cpus: float = Field(default=0.1, ge=0)
     prefill_retries: int = Field(default=1, ge=0, description="other prefill instances tried after a failure")
+
+
+class RouterConfig(_RouterSettings):
+    policy: str = Field(default="marginal_cost", description="P/D policy; 'colocated' for a colocated pool")
+    policy_params: dict[str, Any] = Field(default_factory=dict)
+    cost_model: str | dict[str, Any] = Field(default="cpu-tiny", description="shipped profile name, a "
+                                             "cost-model YAML path, or the cost model inline")
 
 
 class AppConfig(_Strict):
@@ -222,9 +227,9 @@ class ModelEntry(_Strict):
 
     def _app_dict(self, router: "MultiRouterConfig") -> dict:
         policy = self.policy or ("colocated" if self.colocated is not None else "marginal_cost")
-        rc = {"policy": policy, "policy_params": self.policy_params, "cost_model": self.cost_model,
-              "poll_interval_s": router.poll_interval_s, "default_slo": router.default_slo,
-              "num_cpus": router.num_cpus, "prefill_retries": router.prefill_retries}
+        # the shared router settings, except the request log: the multi-model router keeps one
+        shared = router.model_dump(include=set(_RouterSettings.model_fields) - {"request_log"})
+        rc = {"policy": policy, "policy_params": self.policy_params, "cost_model": self.cost_model, **shared}
         d = {"model": self.model, "engine": self.engine, "router": rc}
         for name in ("prefill", "decode", "colocated"):
             if getattr(self, name) is not None:
@@ -232,18 +237,13 @@ class ModelEntry(_Strict):
         return d
 
 
-class MultiRouterConfig(_Strict):
+class MultiRouterConfig(_RouterSettings):
     alias: str = Field(default="auto", min_length=1, description="the `model` name that lets the router choose "
                        "the model by accuracy − λ·cost under the query's TTFT limit")
     lam: float = Field(default=0.0, ge=0.0, allow_inf_nan=False, description="default λ (per currency unit of "
                        "the prices); a request may override it with X-Route-Lambda")
     accuracy_table: str | None = Field(default=None, description="saved AccuracyTable JSON (`disagg` accuracy "
                                        "train); without it each model answers its accuracy_prior")
-    poll_interval_s: float = Field(default=0.05, gt=0, le=10, description="engine state poll period")
-    default_slo: SloClass = SloClass.LOOSE
-    request_log: str | None = Field(default=None, description="JSON-lines file, one record per request")
-    num_cpus: float = Field(default=0.1, ge=0)
-    prefill_retries: int = Field(default=1, ge=0, description="other prefill instances tried after a failure")
 
 
 class MultiModelConfig(_Strict):
