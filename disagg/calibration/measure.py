@@ -170,34 +170,26 @@ class Calibrator:
         return statistics.median(gaps)
 
 
-async def app_ttfts(url: str, prompt_tokens: int, n: int, vocab: int = 1000, seed: int = 0,
-                    timeout_s: float = 60.0) -> list[float]:
+async def app_ttfts(url: str, prompt_tokens: int, n: int, seed: int = 0, timeout_s: float = 60.0) -> list[float]:
     """Client TTFT of `n` lone streaming requests through a running app (one at a time, random
     token ids so no prefix-cache hits, one unmeasured first): what the serving path adds to the
-    engines' own time, unloaded."""
+    engines' own time, unloaded. Sent and timed by the bench's client, as every live figure is."""
     import httpx
 
-    rng = random.Random(seed)
+    from disagg.bench.loadgen import PlannedRequest, make_client, prompt_seed, send_one
+
     out: list[float] = []
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, trust_env=False) as client:
+    async with make_client(url, timeout_s=timeout_s, max_connections=1) as client:
         try:
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
             raise RuntimeError(f"{url}: no model from /v1/models ({type(e).__name__}: {e})") from None
         for i in range(n + 1):
-            body = {"model": model, "prompt": [rng.randrange(10, vocab) for _ in range(prompt_tokens)],
-                    "max_tokens": 2, "ignore_eos": True, "stream": True, "temperature": 0.0}
-            t0 = time.perf_counter()
-            first = None
-            async with client.stream("POST", "/v1/completions", json=body) as resp:
-                if resp.status_code != 200:
-                    raise RuntimeError(f"{url}/v1/completions answered {resp.status_code}: "
-                                       f"{(await resp.aread())[:200]!r}")
-                async for line in resp.aiter_lines():
-                    if first is None and line.startswith("data: {") and '"text"' in line:
-                        first = time.perf_counter() - t0
-            if first is None:
-                raise RuntimeError(f"{url}: a streamed completion carried no token")
+            req = PlannedRequest(index=i, at_s=0.0, prompt_tokens=prompt_tokens, max_tokens=2,
+                                 prompt_seed=prompt_seed(seed, "calibrate/serving", i))
+            r = await send_one(client, model, req, timeout_s=timeout_s)
+            if r.error or r.ttft_s is None:
+                raise RuntimeError(f"{url}/v1/completions: {r.error or 'a streamed completion carried no token'}")
             if i:  # the first one wakes an idle path up
-                out.append(first)
+                out.append(r.ttft_s)
     return out
