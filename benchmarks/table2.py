@@ -25,11 +25,9 @@ ttft_cdf.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,13 +38,6 @@ RAYLM = "ray_serve_llm"
 
 def log(msg: str) -> None:
     print(f"[table2] {msg}", file=sys.stderr, flush=True)
-
-
-def post_json(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
 
 
 def main(argv=None) -> int:
@@ -77,6 +68,7 @@ def main(argv=None) -> int:
     from disagg.graph.tiny_model import build_tiny_model
     from disagg.sim.traces import write_native
     from disagg.sim.workloads import generate
+    from live_miscalibration import set_cost_model
     from serving_throughput import deploy_raylm
 
     # every input is checked before anything starts
@@ -101,7 +93,7 @@ def main(argv=None) -> int:
     app = stack.apps[0][1]
     try:
         stack.start()
-        log(f"router constants: {post_json(f'{stack.base_url}/admin/cost_model', {'cost_model': args.cost_model})}")
+        log(f"router constants: {set_cost_model(stack.base_url, args.cost_model)}")
         # the same logical CPU reservation per engine as ours: three engines of 0.5 beside our app
         # do not fit on 2 CPUs, and Serve would wait for resources forever
         deploy_raylm(str(build_tiny_model()), args.start_timeout, prefill_replicas=app.prefill.num_replicas,

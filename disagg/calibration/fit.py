@@ -128,7 +128,7 @@ def fit_cost_model(m: Measurements, name: str, serving_overhead_s: float = 0.0) 
     if transfer.slope - 3 * transfer.slope_stderr <= 0:
         # Flat within noise (a small model's KV is a few hundred bytes a token): price it at the
         # slowest bandwidth the measurements allow, and the latency that leaves on average.
-        xfer_slope = 3 * transfer.slope_stderr if transfer.slope_stderr > 0 else transfer.slope
+        xfer_slope = 3 * transfer.slope_stderr  # > 0 here: a noiseless slope ≤ 0 was refused above
         xfer_latency = float(np.mean([s.seconds - xfer_slope * s.x for s in m.transfer]))
     if m.kv_capacity_tokens <= 0:
         raise CalibrationError(f"engine KV capacity must be positive, got {m.kv_capacity_tokens}")
