@@ -339,12 +339,12 @@ async def bench(args, systems: list[str], labels: dict[str, str]) -> dict:
         if "B" in systems:
             from disagg.core.types import Role
             from disagg.graph.engine import EngineSpec, VllmEngine
-            from disagg.graph.engine_server import free_port
+            from disagg.graph.ports import claim_port
             from disagg.graph.tiny_model import build_tiny_model
 
             model = str(build_tiny_model())
             for role in (Role.PREFILL, Role.DECODE):
-                spec = EngineSpec(model=model, role=role, side_channel_port=free_port(),
+                spec = EngineSpec(model=model, role=role, side_channel_port=claim_port("127.0.0.1").port,
                                   kv_cache_memory_bytes=KV_BYTES, max_model_len=2048, max_num_seqs=64,
                                   max_num_batched_tokens=2048, seed=0)
                 e = VllmEngine(spec)

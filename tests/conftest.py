@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from unprovoked import UNPROVOKED, unprovoked_failures  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def stack(tmp_path_factory):
     """The CPU profile (deployments/local.yaml) running for real: Ray on loopback, the router,
     1 prefill + 2 decode vLLM engines with NIXL. Started once per test session, stopped at the end."""
-    from disagg.graph.launch import LocalStack
+    from disagg.graph.launch import LocalStack, engine_processes
 
     if os.environ.get("DISAGG_STACK_URL"):  # develop against a stack already up (`make run`)
         yield SimpleNamespace(base_url=os.environ["DISAGG_STACK_URL"], run_dir=Path.cwd())
@@ -22,20 +23,26 @@ def stack(tmp_path_factory):
     os.environ["DISAGG_RUN_DIR"] = str(run_dir)  # where the router writes its request log
     with LocalStack(ROOT / "deployments" / "local.yaml", log=lambda m: print(f"[stack] {m}", flush=True)) as s:
         s.run_dir = run_dir
+        s.provoked = UNPROVOKED.copy()  # tests that cause a failure on purpose count it here
+        engines = set(engine_processes(s.stack_id))
+        instances = set(_admin_state(s.base_url)["instances"])
         yield s
+        _assert_nothing_failed_unprovoked(s, engines, instances)
 
 
-@pytest.fixture(scope="session")
-def calibrated_file(tmp_path_factory, stack):
-    """`disagg calibrate --quick` on the CPU profile, end to end (it starts its own two engines),
-    with the serving path measured through the session's running app (`--url`)."""
-    import subprocess
+def _admin_state(base_url: str) -> dict:
+    import json
+    import urllib.request
 
-    out = tmp_path_factory.mktemp("calibration")
-    cmd = [sys.executable, "-m", "disagg.cli", "calibrate", "--config", str(ROOT / "deployments" / "local.yaml"),
-           "--out", str(out / "cpu-calibrated.yaml"), "--report", str(out / "report.json"), "--quick",
-           "--url", stack.base_url, "--url-requests", "8"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return SimpleNamespace(path=out / "cpu-calibrated.yaml", report=out / "report.json", stdout=proc.stdout,
-                           stderr=proc.stderr)
+    with urllib.request.urlopen(f"{base_url}/admin/state", timeout=30) as r:
+        return json.load(r)
+
+
+def _assert_nothing_failed_unprovoked(stack, engines: set[int], instances: set[str]) -> None:
+    """Fail the session loudly on any engine death, replacement, fallback or retry no test provoked."""
+    from disagg.graph.launch import engine_processes
+
+    state = _admin_state(stack.base_url)
+    problems = unprovoked_failures(state["counters"], stack.provoked, engines, set(engine_processes(stack.stack_id)),
+                                   instances, set(state["instances"]))
+    assert not problems, "unprovoked failures during the live session: " + "; ".join(problems)

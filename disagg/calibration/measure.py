@@ -80,12 +80,14 @@ class Calibrator:
         return f"calib-{tag}-{self._n}"
 
     async def run(self, plan: Plan, progress: Callable[[int], None] = lambda n: None) -> Result:
-        from disagg.graph.engine_server import engine_spec, free_port
+        from disagg.graph.engine_server import engine_spec
+        from disagg.graph.ports import claim_port
 
         t0 = time.perf_counter()
         host = "127.0.0.1"
-        P = VllmEngine(engine_spec(self.cfg, Role.PREFILL, host, free_port(host)))
-        D = VllmEngine(engine_spec(self.cfg, Role.DECODE, host, free_port(host)))
+        ports = [claim_port(host, self.cfg.engine.side_channel_ports) for _ in range(2)]
+        P = VllmEngine(engine_spec(self.cfg, Role.PREFILL, host, ports[0].port))
+        D = VllmEngine(engine_spec(self.cfg, Role.DECODE, host, ports[1].port))
         started = []
         try:
             for e in (P, D):
@@ -132,6 +134,8 @@ class Calibrator:
         finally:
             for e in started:
                 await e.shutdown()
+            for claim in ports:
+                claim.release()
 
     async def _prefill_and_handoff(self, P: VllmEngine, D: VllmEngine, p: int, step1: float) -> tuple[Sample, Sample]:
         ids = self._ids(p)

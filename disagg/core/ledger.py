@@ -3,13 +3,17 @@
 The live router and the simulator keep one each and call it at the same moments:
 `admit` when a request is routed, `prefill_done` when its prefill (and KV hand-off) ends,
 `finish` when its last token is out (or it failed). Between engine polls the ledger is the
-router's freshest knowledge; `views` merges it with the latest polled engine state.
+router's freshest knowledge; `view` merges it with the latest polled engine state.
 
 Backlog is the priced work (seconds) of requests admitted and not finished — the paper's
 "seconds of work already committed". KV use comes from the engines' polls (every 50 ms by
 default: stale, as in any real deployment); what the poll cannot see yet — the prompts admitted
 to an instance since its last poll — the ledger adds on top, so a burst of decisions between two
 polls does not all see the same empty instance.
+
+Several router replicas: each keeps its own ledger of what it admitted; the engines keep a ledger
+of the calls they received, per router, and report the other routers' totals in each poll
+(`PolledState.others_backlog_s`), so no router is blind to the rest for longer than a poll.
 """
 
 from __future__ import annotations
@@ -38,12 +42,20 @@ class _Totals:
 
 @dataclass(frozen=True, slots=True)
 class PolledState:
-    """What an engine last reported (see the engine's `state()` call)."""
+    """What an engine last reported (see the engine's `state()` call).
+
+    `others_backlog_s` / `others_queued`: the work *other* router replicas have admitted to this
+    engine, from the engine's own ledger of the calls it has received (each router sees its own
+    admissions at once in its `Ledger`, and everyone else's as of its latest poll). Zero with
+    one router.
+    """
 
     kv_used_tokens: int
     kv_capacity_tokens: int
     running: int = 0
     waiting: int = 0
+    others_backlog_s: float = 0.0
+    others_queued: int = 0
 
 
 class Ledger:
@@ -132,8 +144,8 @@ class Ledger:
         return InstanceView(
             instance_id=instance_id,
             role=role,
-            backlog_s=t.backlog_s,
-            queued=t.queued,
+            backlog_s=t.backlog_s + polled.others_backlog_s,
+            queued=t.queued + polled.others_queued,
             kv_used_tokens=polled.kv_used_tokens + t.kv_since_poll,
             kv_capacity_tokens=polled.kv_capacity_tokens,
         )

@@ -26,7 +26,7 @@ from disagg.graph.router import Router
 PINNED_ROUTER = "disagg.graph.pinned_router:PinnedReplicaRouter"
 
 
-def _pool_options(name: str, pool: PoolConfig, engine_device: str) -> dict:
+def _pool_options(name: str, pool: PoolConfig, access_log: bool) -> dict:
     opts = {
         "name": name,
         "max_ongoing_requests": pool.max_ongoing_requests,
@@ -37,6 +37,8 @@ def _pool_options(name: str, pool: PoolConfig, engine_device: str) -> dict:
         "health_check_timeout_s": 30,
         # engines take 15-50 s to start on small CPUs, minutes for big models on GPUs
         "graceful_shutdown_timeout_s": 20,
+        # Warnings and errors stay; the per-call access lines (one per state poll) go unless asked for
+        "logging_config": {"enable_access_log": access_log},
     }
     if pool.autoscaling:
         opts["autoscaling_config"] = pool.autoscaling.to_serve(pool.num_replicas)
@@ -50,12 +52,20 @@ POOL_ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE, "colocated": Role.
 
 
 def _engine_pools(cfg: AppConfig, prefix: str = "") -> dict[str, serve.Application]:
-    """Role value → the bound engine deployment of each of this model's pools."""
+    """Role value → the bound engine deployment of each of this model's pools.
+
+    A decode pool gets a handle to its model's prefill pool: each decode replica's warm-up pulls
+    KV from a prefill replica before it reports ready.
+    """
     plain = cfg.model_dump(mode="json")
     engine = serve.deployment(EngineServer)
-    return {POOL_ROLES[name].value: engine.options(**_pool_options(prefix + name, pool, cfg.engine.device))
-            .bind(plain, POOL_ROLES[name].value)
-            for name, pool in cfg.pools().items()}
+    bound: dict[str, serve.Application] = {}
+    for name in sorted(cfg.pools(), key=lambda n: n != "prefill"):  # prefill first: decode binds it
+        role = POOL_ROLES[name]
+        peer = (bound[Role.PREFILL.value],) if role is Role.DECODE else ()
+        bound[role.value] = (engine.options(**_pool_options(prefix + name, cfg.pools()[name], cfg.engine.access_log))
+                             .bind(plain, role.value, *peer))
+    return bound
 
 
 def build_app(args: dict) -> serve.Application:

@@ -52,10 +52,27 @@ class EngineConfig(_Strict):
     enforce_eager: bool = True
     side_channel_host: str = Field(default="127.0.0.1", description="address peers reach the NIXL side channel "
                                    "on; 'auto' = this node's IP (multi-node clusters)")
+    side_channel_ports: tuple[int, int] = Field(
+        default=(27000, 27999), description="[first, last] TCP ports engines claim for their NIXL side channel, "
+        "one per engine per host; keep it outside the kernel's ephemeral range (32768-60999 on Linux)")
+    start_timeout_s: float = Field(default=900.0, gt=0, description="an engine not up within this fails its "
+                                   "replica (Serve starts a new one) instead of waiting forever")
+    warmup_timeout_s: float = Field(default=600.0, gt=0, description="bound on the warm-up handoff every replica "
+                                    "completes before it reports ready (a decode engine waits for a prefill one)")
     seed: int = 0
     stream_interval_s: float = Field(default=0.02, ge=0.0, le=1.0, description="after the first token, stream "
                                      "tokens in batches at most this often (0 = every token alone)")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra vLLM AsyncEngineArgs fields")
+    access_log: bool = Field(default=False, description="Serve's access-log line for every call an engine "
+                             "replica serves, state polls included (20 lines/s per replica): for debugging")
+
+    @model_validator(mode="after")
+    def _port_range(self) -> "EngineConfig":
+        lo, hi = self.side_channel_ports
+        if not 1024 <= lo <= hi <= 65535:
+            raise ValueError(f"side_channel_ports must be [first, last] with 1024 <= first <= last <= 65535, "
+                             f"got [{lo}, {hi}]")
+        return self
 
     @model_validator(mode="after")
     def _memory_for_device(self) -> "EngineConfig":

@@ -9,31 +9,35 @@ Called by the router deployment through the pool's handle with `replica=<this re
 - `abort(request_id)`, `reset_prefix_cache()`: control plane.
 Every reply names the replica that produced it, so the router can verify the pinning.
 
-Each replica picks a free NIXL side-channel port at start (replicas come and go with
-autoscaling, so ports cannot be assigned in the config file).
+Each replica claims a NIXL side-channel port at start from the range the config owns
+(`disagg.graph.ports`; replicas come and go with autoscaling, so ports cannot be assigned one by
+one in the config file).
+
+Ready means proven: before `__init__` returns (and Serve routes to the replica), the engine has
+started within `engine.start_timeout_s` and completed one request through its real path within
+`engine.warmup_timeout_s` (`warm_up`). A platform fault — a kernel the CPU cannot run, a side
+channel that never listens, a transfer that fails — then shows at start-up with its cause in the
+replica's log, and Serve starts another replica, instead of failing a user's first request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
+import os
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from disagg.core.types import Role
 from disagg.graph.config import AppConfig
 from disagg.graph.engine import EngineSpec, VllmEngine
+from disagg.graph.messages import DecodeCall, DecodeChunk, EngineStateReport, PrefillCall, PrefillReply
+from disagg.graph.ports import claim_port
 
 logger = logging.getLogger("ray.serve")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def resolve_model(source: str) -> str:
@@ -70,6 +74,75 @@ def _with_cause(e: Exception) -> RuntimeError:
     logger.exception("engine call failed")
     cause = e.__cause__ or e.__context__
     return RuntimeError(f"{type(e).__name__}: {e}" + (f" (cause: {type(cause).__name__}: {cause})" if cause else ""))
+
+
+async def _bounded(step: Awaitable, timeout_s: float, what: str) -> Any:
+    try:
+        return await asyncio.wait_for(step, timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s") from None
+    except Exception as e:
+        logger.error("replica start-up failed in %s: %s: %s", what, type(e).__name__, e)
+        raise RuntimeError(f"{what} failed: {type(e).__name__}: {e}") from e
+
+
+WARMUP_TEXT = "Warm-up: the router proves every engine's path before users reach it."
+WARMUP_SAMPLING = {"temperature": 0.0, "max_tokens": 2, "ignore_eos": True}
+
+
+async def warm_up(engine: VllmEngine, role: Role, prefill_pool: DeploymentHandle | None, tag: str) -> None:
+    """One request through the engine's real path; raises (naming what failed) if it does not work.
+
+    - prefill engine: a prefill that publishes its KV for a remote decode;
+    - decode engine: a prefill on a running prefill replica, a NIXL pull of its KV and two decode
+      steps here: the path on which a missing CPU permission (AMX) or a dead side channel shows;
+    - colocated engine: a local prefill and two decode steps.
+    A vLLM engine cannot pull from itself, so the pull needs a prefill replica; it waits for one.
+    """
+    prompt = list(engine.tokenizer.encode(WARMUP_TEXT))
+    if role is Role.PREFILL:
+        await engine.prefill(f"warmup-{tag}", prompt, WARMUP_SAMPLING)
+        return
+    kv = None
+    if role is Role.DECODE:
+        if prefill_pool is None:
+            raise ValueError("a decode engine's warm-up needs its model's prefill pool")
+        kv = await prefill_remote(prefill_pool, f"warmup-{tag}", prompt, WARMUP_SAMPLING)
+        received_before = (await engine.state()).kv_received_tokens
+    tokens, finish = [], None
+    async for chunk in engine.decode(f"warmup-{tag}", prompt, WARMUP_SAMPLING, kv):
+        tokens.extend(chunk.token_ids)
+        finish = chunk.finish_reason or finish
+    if len(tokens) != WARMUP_SAMPLING["max_tokens"] or finish != "length":
+        raise RuntimeError(f"warm-up decode gave {len(tokens)} tokens (finish reason {finish!r}), expected "
+                           f"{WARMUP_SAMPLING['max_tokens']}" + (" after a KV pull" if kv else ""))
+    if kv is not None:
+        # the per-token proof that the KV arrived over NIXL rather than being recomputed
+        for _ in range(50):  # stats land with the engine's next step record: bounded wait
+            if (await engine.state()).kv_received_tokens > received_before:
+                return
+            await asyncio.sleep(0.02)
+        raise RuntimeError("warm-up decode recomputed the prompt instead of pulling its KV over NIXL")
+
+
+async def prefill_remote(pool: DeploymentHandle, request_id: str, prompt: list[int], sampling: dict) -> dict:
+    """Prefill on any running replica of `pool`; the KV transfer params a decode engine pulls with."""
+    reply: PrefillReply = await pool.prefill.remote(PrefillCall(request_id, prompt, sampling))
+    return reply.kv_transfer_params
+
+
+def kill_engine_children() -> None:
+    """SIGKILL this process's vLLM engine processes (an engine that never finished starting)."""
+    import psutil
+
+    from disagg.graph.launch import ENGINE_PROCESS_MARKERS
+
+    for child in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if any(m in " ".join(child.cmdline()) or m in child.name() for m in ENGINE_PROCESS_MARKERS):
+                child.kill()
+        except psutil.Error:
+            pass
 
 
 _END = object()
@@ -125,7 +198,12 @@ async def coalesce(stream: AsyncIterator, interval_s: float) -> AsyncIterator[li
 
 
 class EngineServer:
-    async def __init__(self, config: dict, role: str) -> None:
+    async def __init__(self, config: dict, role: str, prefill_pool: DeploymentHandle | None = None) -> None:
+        """Start the engine, then prove its real path (`warm_up`) before Serve calls it ready.
+
+        `prefill_pool`: a decode engine's model's prefill pool, which the warm-up pulls KV from.
+        Any failure or timeout raises with its cause, so Serve replaces the replica.
+        """
         cfg = AppConfig.model_validate(config)
         self.role = Role(role)
         self.stream_interval_s = cfg.engine.stream_interval_s
@@ -135,44 +213,55 @@ class EngineServer:
 
             host = ray.util.get_node_ip_address()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.engine = VllmEngine(engine_spec(cfg, self.role, host, free_port(host)))
-        await self.engine.start()
-
-    async def prefill(self, call: dict, replica: str | None = None) -> dict:
+        self.port = claim_port(host, cfg.engine.side_channel_ports)
+        self.engine = VllmEngine(engine_spec(cfg, self.role, host, self.port.port))
         try:
-            r = await self.engine.prefill(call["request_id"], call["prompt_token_ids"], call["sampling"])
+            await _bounded(self.engine.start(), cfg.engine.start_timeout_s, "engine start")
+            await _bounded(warm_up(self.engine, self.role, prefill_pool, self.replica_id),
+                           cfg.engine.warmup_timeout_s, "warm-up handoff")
+        except BaseException:
+            await self.engine.shutdown()
+            kill_engine_children()  # an engine stuck in start-up never reaches the handover
+            self.port.release()
+            raise
+
+    async def prefill(self, call: PrefillCall, replica: str | None = None) -> PrefillReply:
+        try:
+            r = await self.engine.prefill(call.request_id, call.prompt_token_ids, call.sampling)
         except Exception as e:
             raise _with_cause(e) from e
-        return {"kv_transfer_params": r.kv_transfer_params, "first_token_id": r.first_token_id,
-                "engine_ttft_s": r.engine_ttft_s, "replica": self.replica_id}
+        return PrefillReply(kv_transfer_params=r.kv_transfer_params, first_token_id=r.first_token_id,
+                            engine_ttft_s=r.engine_ttft_s, replica=self.replica_id)
 
-    async def decode(self, call: dict, replica: str | None = None) -> AsyncIterator[dict]:
+    async def decode(self, call: DecodeCall, replica: str | None = None) -> AsyncIterator[DecodeChunk]:
         first = True
         t0 = time.perf_counter()
-        stream = self.engine.decode(call["request_id"], call["prompt_token_ids"], call["sampling"],
-                                    call.get("kv_transfer_params"))
+        stream = self.engine.decode(call.request_id, call.prompt_token_ids, call.sampling, call.kv_transfer_params)
         try:
             async for chunks in coalesce(stream, self.stream_interval_s):
-                out: dict[str, Any] = {"t": tuple(t for c in chunks for t in c.token_ids),
-                                       "x": "".join(c.text for c in chunks), "f": chunks[-1].finish_reason}
-                if first:  # who served it, and the engine-side time to the first token
-                    out["r"] = self.replica_id
-                    out["e"] = time.perf_counter() - t0
-                    first = False
-                yield out
+                yield DecodeChunk(
+                    token_ids=tuple(t for c in chunks for t in c.token_ids),
+                    text="".join(c.text for c in chunks),
+                    finish_reason=chunks[-1].finish_reason,
+                    # the first chunk names who served it, and the engine-side time to the first token
+                    replica=self.replica_id if first else None,
+                    engine_first_token_s=time.perf_counter() - t0 if first else None,
+                )
+                first = False
         except Exception as e:
             raise _with_cause(e) from e
 
     async def abort(self, request_id: str, replica: str | None = None) -> None:
         await self.engine.abort(request_id)
 
-    async def state(self) -> dict:
+    async def state(self) -> EngineStateReport:
         s = await self.engine.state()
-        return {"replica": self.replica_id, "role": self.role.value, "running": s.running, "waiting": s.waiting,
-                "kv_used_tokens": s.kv_used_tokens, "kv_capacity_tokens": s.kv_capacity_tokens,
-                "prefix_cache_hits": s.prefix_cache_hits, "prefix_cache_queries": s.prefix_cache_queries,
-                "kv_transfers_ok": s.kv_transfers_ok, "kv_transfers_failed": s.kv_transfers_failed,
-                "kv_received_tokens": s.kv_received_tokens}
+        return EngineStateReport(
+            replica=self.replica_id, role=self.role, running=s.running, waiting=s.waiting,
+            kv_used_tokens=s.kv_used_tokens, kv_capacity_tokens=s.kv_capacity_tokens,
+            prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
+            kv_transfers_ok=s.kv_transfers_ok, kv_transfers_failed=s.kv_transfers_failed,
+            kv_received_tokens=s.kv_received_tokens)
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
@@ -182,3 +271,4 @@ class EngineServer:
 
     async def __del__(self) -> None:
         await self.engine.shutdown()
+        self.port.release()

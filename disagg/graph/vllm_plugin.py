@@ -1,4 +1,5 @@
-"""vLLM general plugin: the CPU tunings a NIXL-connected vLLM engine needs to run at speed.
+"""vLLM general plugin: the per-process CPU setup a NIXL-connected vLLM engine needs to run at all,
+and to run at speed.
 
 Registered in pyproject.toml as
 
@@ -8,7 +9,15 @@ Registered in pyproject.toml as
 so vLLM calls `register()` in *every* process it starts (frontend, EngineCore, workers), possibly
 several times per process. It must therefore be idempotent, cheap, and never raise.
 
-Why: on a CPU-only machine an engine using vLLM's NixlConnector with default settings ran ~100x
+0. AMX permission (fixed here). On CPUs with AMX (Sapphire Rapids and later) vLLM's CPU attention
+   picks its `amx` kernel whenever `torch.cpu._is_amx_tile_supported()` is true, but Linux only
+   lets a process execute AMX instructions after it asked for the tile state
+   (`arch_prctl(ARCH_REQ_XCOMP_PERM)`). torch asks lazily, from its own oneDNN kernels; a decode
+   worker whose first forward pass runs straight after a NIXL pull reaches vLLM's attention kernel
+   first and dies with SIGILL. `torch.cpu._init_amx()` asks up front, in every process vLLM
+   starts; on a CPU without AMX it is a no-op.
+
+Why the rest: on a CPU-only machine an engine using vLLM's NixlConnector with default settings ran ~100x
 slower (8 tok/s instead of ~630 tok/s for one request) and every idle worker spun a core at 100%.
 Two independent causes, two tunings (both measured on a 2-core CPU machine):
 
@@ -61,10 +70,34 @@ def register() -> None:
     try:
         if not _is_cpu_platform():
             return
-        _patch_nixl_agent_config()
     except Exception as exc:  # a plugin must never take an engine down
-        logger.warning("disagg vLLM plugin: CPU tunings not applied (%s: %s)",
+        logger.warning("disagg vLLM plugin: platform unknown, CPU setup skipped (%s: %s)",
                        type(exc).__name__, exc)
+        return
+    for setup in (request_amx_permission, _patch_nixl_agent_config):
+        try:
+            setup()
+        except Exception as exc:  # each step alone: one failing must not skip the others
+            logger.warning("disagg vLLM plugin: %s not applied (%s: %s)", setup.__name__,
+                           type(exc).__name__, exc)
+
+
+def request_amx_permission() -> bool:
+    """Ask the kernel for AMX tile permission in this process if the CPU has AMX (see item 0).
+
+    Returns whether AMX is usable here. Without the permission, the first AMX instruction in the
+    process is fatal (SIGILL), so a CPU that reports AMX but refuses it is logged loudly.
+    """
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return False
+    if torch.cpu._init_amx():
+        logger.debug("disagg vLLM plugin: AMX tile permission granted")
+        return True
+    logger.error("disagg vLLM plugin: the CPU reports AMX but the kernel refused AMX permission; "
+                 "vLLM's AMX kernels will crash this process")
+    return False
 
 
 def _is_cpu_platform() -> bool:

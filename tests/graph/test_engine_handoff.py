@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import statistics
 import time
 from collections.abc import Coroutine, Sequence
@@ -36,6 +35,7 @@ from disagg.graph.engine import (
     engine_env,
     nixl_reserved_cpus,
 )
+from disagg.graph.ports import claim_port
 from disagg.graph.tiny_model import MARKER, build_tiny_model, default_model_dir, is_complete
 
 START_TIMEOUT_S = 180.0  # per engine; ~15-20 s normally, ~50 s when the 2 cores are busy
@@ -54,12 +54,6 @@ PROMPTS = [
 # --------------------------------------------------------------------------------------------
 # Fixtures and helpers
 # --------------------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Engines:
     """The engines of this module plus the one event loop they are bound to."""
@@ -95,7 +89,7 @@ def engines():
     try:
         for name, role in (("prefill", Role.PREFILL), ("decode", Role.DECODE),
                            ("colocated", Role.BOTH)):
-            spec = EngineSpec(model=model, role=role, side_channel_port=_free_port(),
+            spec = EngineSpec(model=model, role=role, side_channel_port=claim_port("127.0.0.1").port,
                               kv_cache_memory_bytes=KV_BYTES, max_model_len=2048, seed=0)
             engine = VllmEngine(spec)
             st.engines[name] = engine  # before start: a half-started engine is shut down too

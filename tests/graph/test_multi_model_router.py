@@ -20,6 +20,8 @@ import yaml
 pytest.importorskip("ray.serve")
 from starlette.requests import Request  # noqa: E402
 
+from disagg.core.types import Role  # noqa: E402
+from disagg.graph.messages import DecodeChunk, EngineStateReport, PrefillReply  # noqa: E402
 from disagg.graph.router import Router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,10 +52,9 @@ class _Stream:
             await self.hold.wait()
         await asyncio.sleep(self.first_s if self.i == 0 else 0.0)
         self.i += 1
-        out = {"t": (7,), "x": "a", "f": "length" if self.i == self.n else None}
-        if self.i == 1:
-            out.update(r=self.replica, e=self.first_s)
-        return out
+        first = self.i == 1
+        return DecodeChunk((7,), "a", "length" if self.i == self.n else None,
+                           replica=self.replica if first else None, engine_first_token_s=self.first_s if first else None)
 
     def cancel(self):
         pass
@@ -67,8 +68,10 @@ class _Pool:
         self.calls: list[tuple[str, str]] = []
 
     def broadcast(self, method):
-        return _Results([{"replica": r, "role": self.role, "running": 0, "waiting": 0, "kv_used_tokens": 0,
-                          "kv_capacity_tokens": 65536} for r in self.ids])
+        return _Results([EngineStateReport(replica=r, role=Role(self.role), running=0, waiting=0, kv_used_tokens=0,
+                                           kv_capacity_tokens=65536, prefix_cache_hits=0, prefix_cache_queries=0,
+                                           kv_transfers_ok=0, kv_transfers_failed=0, kv_received_tokens=0)
+                         for r in self.ids])
 
     def options(self, **kw):
         return self
@@ -82,8 +85,8 @@ class _Pool:
                 pool.calls.append(("prefill", replica))
 
                 async def done():
-                    return {"kv_transfer_params": {"remote": replica}, "first_token_id": 7,
-                            "engine_ttft_s": 0.001, "replica": replica}
+                    return PrefillReply(kv_transfer_params={"remote": replica}, first_token_id=7,
+                                        engine_ttft_s=0.001, replica=replica)
                 return done()
         return _M()
 
@@ -94,7 +97,7 @@ class _Pool:
         class _M:
             def remote(self, call, replica=None):
                 pool.calls.append(("decode", replica))
-                return _Stream(replica, call["sampling"]["max_tokens"], 0.001, pool.hold)
+                return _Stream(replica, call.sampling["max_tokens"], 0.001, pool.hold)
         return _M()
 
 

@@ -1,0 +1,335 @@
+"""The dispatcher: one validated request's life, from the routing decision to its last token.
+
+Per request (a `Flight`), after the ingress has validated and tokenized it:
+1. predict the output length (`max_tokens` exactly when `ignore_eos`), take the instance views from
+   the registry and call the model's P/D policy — the same object the simulator runs;
+2. admit to the ledger; prefill on exactly the chosen prefill replica (`pinned_router`), retrying
+   another prefill replica (`prefill_retries`) and finally prefilling on the decode replica;
+3. start the decode on exactly the chosen decode replica with the prefill's `kv_transfer_params`
+   and wait for its first token before the ingress answers, so a failure still gets a proper
+   status code; a decode that fails before its first token is retried once on another decode
+   replica, which prefills locally;
+4. stream (or collect) the tokens; on the first token the KV has left the prefill instance
+   (`ledger.prefill_done`); at the end `ledger.finish`, the predictor learns the natural output
+   length, and the request log gets one line with the decision and its per-term costs.
+A client that goes away cancels the in-flight prefill or decode call; Serve propagates the
+cancellation into the engine replica, where vLLM aborts the request.
+
+The alias route (several models, a request naming the alias, `auto` by default) comes before
+step 1: every instance of every model is a candidate, each candidate's TTFT is estimated by
+simulating its batching forward from the snapshot the router keeps of it
+(`disagg.graph.instance_state`, which lists the approximations), and `route_by_latency` picks the
+instance maximising accuracy − λ·cost among those within the query's TTFT limit (the fastest when
+none is). Candidates are the engines a query starts on: a colocated model's engines, and a
+disaggregated model's prefill engines (its P/D policy then picks the decode engine; the estimate
+leaves out the KV transfer and the decode engine's first step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from disagg.core.ledger import Ledger, admission_work
+from disagg.core.latency_routing import ModelInstance, route_by_latency
+from disagg.core.predictor import BucketMeanPredictor
+from disagg.core.ttft_estimator import TtftEstimateError
+from disagg.core.types import Decision, NoCapacity, RequestFeatures, Role, SloClass
+from disagg.core.utility import AccuracyTable, Choice
+from disagg.graph.instance_state import FlightFacts, instance_snapshot
+from disagg.graph.messages import DecodeCall, DecodeChunk, PrefillCall, PrefillReply
+from disagg.graph.openai_api import ApiError
+from disagg.graph.registry import Instance, InstanceRegistry
+from disagg.graph.request_log import Counters, RequestLog, request_record
+from disagg.graph.served_model import ServedModel
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(slots=True)
+class Flight:
+    """One request from validation to its last token: what was asked, decided and observed."""
+
+    rid: str
+    req: Any  # the parsed OpenAI request
+    chat: bool
+    slo: SloClass
+    prompt_ids: list[int]  # tokenized for `model`
+    sampling: dict
+    model: ServedModel | None = None
+    choice: Choice | None = None  # the alias route's choice (None: the request named its model)
+    ttft_limit_s: float | None = None  # the alias route's TTFT limit
+    lam: float | None = None  # the alias route's λ
+    prefilled: bool = False
+    decision: Decision | None = None
+    predicted: int | None = None  # predicted output tokens
+    decision_us: float | None = None
+    alias_us: float | None = None
+    admitted: bool = False  # in the ledger
+    t_arrival: float | None = None
+    t_first: float | None = None
+    actual_prefill: str | None = None  # the instances that served it (the decision may have failed over)
+    actual_decode: str | None = None
+    fallback: str | None = None
+    prefill_engine_s: float | None = None
+    decode_engine_first_s: float | None = None
+    stream: Any = None  # the decode's response stream
+    first_chunk: DecodeChunk | None = None  # received before answering, relayed first
+    generated: int = 0  # output tokens relayed so far
+    finish_reason: str | None = None
+    finished: bool = False
+
+    def route_header(self) -> str:
+        """The `x-disagg-route` header: the choice and decision with their costs, and who served."""
+        h = self.decision.header_value() if self.decision else ""
+        if self.choice is not None:
+            h = f"{self.choice.header_value()}; {h}"
+        actual = f"; served_prefill={self.actual_prefill}; served_decode={self.actual_decode}"
+        return h + actual + (f"; fallback={self.fallback}" if self.fallback else "")
+
+
+def _last_line(e: BaseException | None) -> str:
+    """A remote error's own message, without the Ray traceback around it."""
+    lines = str(e).strip().splitlines()
+    return lines[-1][:500] if lines else type(e).__name__
+
+
+def _no_capacity(e: NoCapacity) -> ApiError:
+    return ApiError(f"no capacity: {e}", status=503, kind="service_unavailable")
+
+
+class Dispatcher:
+    """Runs each request through the engines; keeps the requests in flight (`flights`)."""
+
+    def __init__(self, registry: InstanceRegistry, ledger: Ledger, counters: Counters, log: RequestLog,
+                 accuracy: AccuracyTable, prefill_retries: int, multi_model: bool) -> None:
+        self.registry = registry
+        self.ledger = ledger
+        self.counters = counters
+        self.log = log
+        self.accuracy = accuracy
+        self.prefill_retries = prefill_retries
+        self.multi_model = multi_model
+        self.alias_predictor = BucketMeanPredictor()  # output lengths of alias requests, across models
+        self.flights: dict[str, Flight] = {}  # admitted and not finished, in admission order
+
+    async def start(self, f: Flight, alias_prompts: dict[str, list[int]] | None = None) -> None:
+        """Route, prefill, and get the first token (so errors still have a status code).
+
+        `alias_prompts`: the request named the alias; each candidate model's tokenized prompt.
+        Raises ApiError (or CancelledError) after finishing the request."""
+        try:
+            if alias_prompts is not None:
+                self._choose_model(f, alias_prompts)
+            await self._route_and_admit(f)
+            kv = None if f.decision.colocated else await self._prefill(f)
+            f.prefilled = True
+            await self._first_token(f, kv)
+        except ApiError as e:
+            self.counters.failed += 1
+            self.finish(f, error=e.message)
+            raise
+        except asyncio.CancelledError:
+            self.counters.cancelled += 1
+            self.finish(f, error="cancelled by client")
+            raise
+
+    # --- the routing decision ------------------------------------------------------------------
+
+    def _snapshot_facts(self, inst: Instance) -> list[FlightFacts]:
+        facts = []
+        prefill_side = inst.role is Role.PREFILL
+        for f in self.flights.values():
+            d = f.decision
+            on = d.prefill_id == inst.instance_id if prefill_side else d.decode_id == inst.instance_id
+            if not on:
+                continue
+            started = f.prefilled if prefill_side else f.t_first is not None
+            facts.append(FlightFacts(len(f.prompt_ids), f.predicted or 1, started, f.generated))
+        return facts
+
+    def _choose_model(self, f: Flight, prompts: dict[str, list[int]]) -> None:
+        """Route the alias: pick the instance (and so the model) by accuracy − λ·cost within the TTFT limit."""
+        models = [self.registry.models[name] for name in prompts]
+        p = max(len(ids) for ids in prompts.values())  # tokenizers may differ: price the longest
+        room = min(m.cfg.model.max_model_len - len(prompts[m.name]) for m in models)
+        max_tokens = f.req.max_tokens or room
+        f.predicted = max_tokens if f.req.ignore_eos else min(max_tokens, self.alias_predictor.predict(p, f.slo))
+        candidates = []
+        for m in models:
+            for inst in self.registry.pool(m, m.start_role):
+                c = self.registry.constants(m, inst)
+                snap = instance_snapshot(self._snapshot_facts(inst), c, prefill_only=inst.role is Role.PREFILL)
+                candidates.append((ModelInstance(inst.instance_id, m.name, c, m.prices), snap))
+        t0 = time.perf_counter()
+        try:
+            choice = route_by_latency(candidates, p, f.predicted, f.ttft_limit_s, f.lam, self.accuracy,
+                                      time.monotonic())
+        except NoCapacity as e:
+            raise _no_capacity(e) from None
+        except (ValueError, TtftEstimateError) as e:  # a bug or an impossible snapshot: say so, do not guess
+            logger.exception("router: latency routing failed")
+            raise ApiError(f"latency routing failed: {e}", status=500, kind="internal_error") from None
+        f.alias_us = (time.perf_counter() - t0) * 1e6
+        f.choice = choice
+        f.model = self.registry.models[choice.model]
+        f.prompt_ids = prompts[choice.model]
+        f.sampling = f.model.sampling(f.req, len(f.prompt_ids))
+
+    async def _route_and_admit(self, f: Flight) -> None:
+        """The model's P/D policy picks the prefill and decode instances; the ledger admits the request."""
+        t_arrival = time.monotonic()
+        m = f.model
+        p = len(f.prompt_ids)
+        max_tokens = f.sampling["max_tokens"]
+        if f.choice is None:
+            f.predicted = max_tokens if f.req.ignore_eos else min(max_tokens, m.predictor.predict(p, f.slo))
+        feats = RequestFeatures(f.rid, p, f.predicted, f.slo)
+        t0 = time.perf_counter()
+        decode_views = self.registry.views(m, m.decode_role)
+        if f.choice is not None and m.start_role is Role.PREFILL:  # the alias chose the prefill engine
+            prefill_views = [v for v in self.registry.views(m, Role.PREFILL) if v.instance_id == f.choice.instance_id]
+        elif f.choice is not None:  # ... or the colocated engine
+            decode_views = [v for v in decode_views if v.instance_id == f.choice.instance_id]
+            prefill_views = []
+        else:
+            prefill_views = self.registry.views(m, Role.PREFILL) if not m.cfg.is_colocated else []
+        try:
+            decision = m.policy.choose(feats, prefill_views, decode_views, t_arrival)
+        except NoCapacity as e:
+            raise _no_capacity(e) from None
+        f.decision_us = (time.perf_counter() - t0) * 1e6
+        f.decision, f.t_arrival = decision, t_arrival
+        pw, dw = admission_work(m.cost_model, decision.prefill_id, decision.decode_id, p, f.predicted,
+                                self.ledger.queued(decision.decode_id))
+        self.ledger.admit(f.rid, decision.prefill_id, decision.decode_id, pw, dw, p)
+        self.flights[f.rid] = f
+        f.admitted = True
+
+    # --- prefill, then the decode's first token ------------------------------------------------
+
+    async def _prefill(self, f: Flight) -> dict | None:
+        """KV location from the chosen prefill replica; other replicas on failure; None = prefill locally."""
+        tried = []
+        m = f.model
+        target = f.decision.prefill_id
+        for attempt in range(self.prefill_retries + 1):
+            inst = self.registry.get(target)
+            if inst is None:
+                break
+            tried.append(target)
+            call = PrefillCall(f"{f.rid}-p{attempt}", f.prompt_ids, f.sampling)
+            try:
+                reply: PrefillReply = await m.handles[Role.PREFILL].prefill.remote(call, replica=inst.replica)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a dead or failing prefill replica: try another, then go local
+                logger.warning("router: prefill of %s on %s failed: %s", f.rid, target, _last_line(e))
+                self.counters.prefill_retries += 1
+                others = [i.instance_id for i in self.registry.pool(m, Role.PREFILL) if i.instance_id not in tried]
+                if not others:
+                    break
+                target = min(others, key=self.ledger.backlog_s)
+                continue
+            if reply.replica != inst.replica:
+                self.counters.misrouted += 1
+            f.actual_prefill = f"{m.id_prefix}prefill-{reply.replica}"
+            f.prefill_engine_s = reply.engine_ttft_s
+            return reply.kv_transfer_params
+        self.counters.local_prefill_fallbacks += 1
+        f.fallback = "local_prefill"
+        f.actual_prefill = f.decision.decode_id
+        return None
+
+    async def _first_token(self, f: Flight, kv: dict | None) -> None:
+        m = f.model
+        targets = [f.decision.decode_id] + [i.instance_id for i in self.registry.pool(m, m.decode_role)
+                                            if i.instance_id != f.decision.decode_id]
+        last_error: Exception | None = None
+        for n, target in enumerate(targets[:2]):  # the chosen decode, then one other (local prefill)
+            inst = self.registry.get(target)
+            if inst is None:
+                continue
+            call = DecodeCall(f"{f.rid}-d{n}", f.prompt_ids, f.sampling, kv if n == 0 else None)
+            stream = m.decode_stream.decode.remote(call, replica=inst.replica)
+            try:
+                first: DecodeChunk = await stream.__anext__()
+            except asyncio.CancelledError:
+                stream.cancel()
+                raise
+            except StopAsyncIteration:
+                last_error = RuntimeError("decode ended without output")
+                continue
+            except Exception as e:
+                logger.warning("router: decode of %s on %s failed before its first token: %s", f.rid, target,
+                               _last_line(e))
+                last_error = e
+                stream.cancel()
+                self.counters.decode_retries += 1
+                if n == 0 and kv is not None:
+                    f.fallback = "decode_retry_local_prefill"
+                continue
+            if first.replica != inst.replica:
+                self.counters.misrouted += 1
+            f.actual_decode = target
+            if n > 0 or f.actual_prefill is None:  # prefilled locally on this decode instance
+                f.actual_prefill = target
+            f.stream, f.first_chunk = stream, first
+            f.t_first = time.monotonic()
+            f.decode_engine_first_s = first.engine_first_token_s
+            self.ledger.prefill_done(f.rid)
+            return
+        raise ApiError(f"no decode instance could serve the request: {_last_line(last_error)}", status=503,
+                       kind="service_unavailable")
+
+    # --- relaying the tokens, and the end ------------------------------------------------------
+
+    async def chunks(self, f: Flight) -> AsyncIterator[DecodeChunk]:
+        """The decode's chunks, the first one included; finishes the request when they end.
+        A decode that fails mid-stream raises ApiError (502)."""
+        error = None
+        try:
+            chunk = f.first_chunk
+            while chunk is not None:
+                f.generated += len(chunk.token_ids)
+                if chunk.finish_reason:
+                    f.finish_reason = chunk.finish_reason
+                yield chunk
+                try:
+                    chunk = await f.stream.__anext__()
+                except StopAsyncIteration:
+                    chunk = None
+        except (asyncio.CancelledError, GeneratorExit):
+            error = "cancelled by client"
+            self.counters.cancelled += 1
+            f.stream.cancel()
+            raise
+        except Exception as e:
+            error = f"decode failed after {f.generated} tokens: {_last_line(e)}"
+            self.counters.failed += 1
+            raise ApiError(error, status=502, kind="upstream_error") from None
+        finally:
+            if error is None:
+                self.counters.served += 1
+                if f.finish_reason == "stop":  # a natural length: what the predictors learn from
+                    f.model.predictor.observe(len(f.prompt_ids), f.slo, f.generated)
+                    if f.choice is not None:
+                        self.alias_predictor.observe(len(f.prompt_ids), f.slo, f.generated)
+            self.finish(f, error=error)
+
+    async def collect(self, f: Flight) -> str:
+        """The whole completion's text (its finish reason is then `f.finish_reason`)."""
+        return "".join([c.text async for c in self.chunks(f)])
+
+    def finish(self, f: Flight, error: str | None) -> None:
+        """Release the request from the ledger and log it (idempotent); `error` None when served."""
+        if f.finished:
+            return
+        f.finished = True
+        if f.admitted:
+            self.ledger.finish(f.rid)
+        self.flights.pop(f.rid, None)
+        self.log.write(request_record(f, error, time.monotonic(), self.multi_model))

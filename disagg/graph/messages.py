@@ -1,0 +1,79 @@
+"""The records the router and the engine replicas exchange (the engine seam's wire format).
+
+The router calls each engine replica through its pool's handle, always with `replica=<id>` as a
+keyword (`pinned_router` reads it):
+- `prefill(PrefillCall) -> PrefillReply`;
+- `decode(DecodeCall)`, a stream of `DecodeChunk`s; the first one names the replica that serves it;
+- `state() -> EngineStateReport`, polled by the router's `InstanceRegistry`.
+Every reply names the replica that produced it, so the router can verify the pinning (`misrouted`).
+
+Ray pickles these dataclasses across processes; they hold plain values only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from disagg.core.types import Role
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCall:
+    """Run a prompt on a prefill engine and keep its KV for a remote decode."""
+
+    request_id: str  # the engine-side id, unique per attempt (`<request id>-p<attempt>`)
+    prompt_token_ids: list[int]  # the tokenized prompt
+    sampling: dict[str, Any]  # OpenAI sampling settings (`max_tokens`, `temperature`, ...)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillReply:
+    """Where a prefilled prompt's KV is, for the decode engine to pull."""
+
+    kv_transfer_params: dict[str, Any]  # opaque to the router: passed unchanged in the `DecodeCall`
+    first_token_id: int  # the token prefill sampled (decode samples its own; equal under greedy)
+    engine_ttft_s: float  # engine-side time from the call to the prefill's output
+    replica: str  # the replica that ran it
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCall:
+    """Generate a completion on a decode (or colocated) engine."""
+
+    request_id: str  # the engine-side id, unique per attempt (`<request id>-d<attempt>`)
+    prompt_token_ids: list[int]  # the tokenized prompt
+    sampling: dict[str, Any]  # OpenAI sampling settings (`max_tokens`, `temperature`, ...)
+    kv_transfer_params: dict[str, Any] | None = None  # a `PrefillReply`'s; None: prefill locally
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeChunk:
+    """The tokens a decode produced since its previous chunk (the engine batches them per interval)."""
+
+    token_ids: tuple[int, ...]  # the new output tokens
+    text: str  # their detokenized text
+    finish_reason: str | None  # "stop" | "length" | ... on the last chunk, else None
+    replica: str | None = None  # the replica serving the decode (first chunk only)
+    engine_first_token_s: float | None = None  # engine-side time from the call to this chunk (first only)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStateReport:
+    """One engine's load signals as of its latest scheduler step (counters are cumulative since start)."""
+
+    replica: str  # the replica reporting
+    role: Role  # what its engine does
+    running: int  # requests in the running batch
+    waiting: int  # requests queued in the engine's scheduler
+    kv_used_tokens: int  # KV cache in use, in tokens
+    kv_capacity_tokens: int  # KV cache size, in tokens
+    prefix_cache_hits: int  # prompt tokens served from the prefix cache
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    kv_transfers_ok: int  # NIXL reads that completed (a request may need several)
+    kv_transfers_failed: int  # KV transfers that failed
+    kv_received_tokens: int  # prompt tokens whose KV arrived from a remote engine
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-safe (the role as its value), for `/admin/state`."""
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"role": self.role.value}

@@ -1,0 +1,27 @@
+"""The live session's last word: nothing failed that no test failed on purpose.
+
+Hosts differ (a CPU feature on one, a slow core on another), and the router hides a dying engine
+well: a fallback serves the request, Serve replaces the replica. So the suite ends with a check
+of what only a fault moves — the router's fallback and retry counters, the engine processes and
+replicas that were there at the start — against what the tests provoked (`stack.provoked`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# Router counters that only an engine fault, a platform bug or a routing bug moves.
+UNPROVOKED = {"prefill_retries": 0, "local_prefill_fallbacks": 0, "decode_retries": 0, "misrouted": 0,
+              "failed": 0, "instances_lost": 0}
+
+
+def unprovoked_failures(counters: Mapping[str, int], provoked: Mapping[str, int], engines_before: set[int],
+                        engines_after: set[int], instances_before: set[str], instances_after: set[str]) -> list[str]:
+    """Every departure from a clean session, described; empty when there is none."""
+    problems = [f"{k}={counters.get(k)} (provoked: {provoked[k]})" for k in UNPROVOKED
+                if counters.get(k) != provoked[k]]
+    if dead := engines_before - engines_after:
+        problems.append(f"engine processes died: {sorted(dead)}")
+    if gone := instances_before - instances_after:
+        problems.append(f"engine replicas left or were replaced: {sorted(gone)}")
+    return problems
