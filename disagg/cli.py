@@ -144,6 +144,9 @@ SIM_COLUMNS = [
 def cmd_sim(args) -> int:
     from disagg.sim.runner import compare, find_saturation
 
+    if args.routers < 1:
+        raise UsageError(f"--routers must be an integer >= 1 (router replicas sharing the arrivals), "
+                         f"got {args.routers}")
     policies = parse_policies(args.policies)
     try:
         topology = Topology.parse(args.topology)
@@ -163,18 +166,18 @@ def cmd_sim(args) -> int:
         print(f"saturation rate (round robin mid-collapse): {rate:.2f} req/s", file=sys.stderr)
     bar = Progress(len(trace) * len(policies), "simulating")
     results = compare(trace, cost_model, topology, policies, rate=rate, tight_share=args.tight_share,
-                      seed=args.seed, predictor_error=args.predictor_error, progress=bar)
+                      seed=args.seed, predictor_error=args.predictor_error, progress=bar, routers=args.routers)
     effective_rate = rate if rate is not None else trace_stats(trace)["mean_rate"]
     rows = [{"policy": n, **s} for n, s in results.items()]
     print(f"trace={args.trace} requests={len(trace)} topology={topology} rate={effective_rate:.2f} req/s "
-          f"cost_model={cost_model.name} seed={args.seed}")
+          f"cost_model={cost_model.name} seed={args.seed} routers={args.routers}")
     print(fmt_table(rows, SIM_COLUMNS))
     if args.json:
         total_req = sum(s["requests"] for s in results.values())
         total_wall = sum(s["sim_wall_s"] for s in results.values())
         write_json_atomic(Path(args.json), json_safe({
             "trace": str(args.trace), "topology": str(topology), "cost_model": cost_model.name,
-            "seed": args.seed, "rate": effective_rate, "saturation": saturation,
+            "seed": args.seed, "rate": effective_rate, "saturation": saturation, "routers": args.routers,
             "policies": results, "sim_requests_per_s": total_req / total_wall if total_wall else None,
         }))
     return 0
@@ -410,6 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--tight-share", type=float, default=0.5, help="share of requests in the tight SLO class")
     sim.add_argument("--predictor-error", type=float, default=0.0, help="relative output-length error (1.5 = 150%%)")
     sim.add_argument("--max-requests", type=int, default=0, help="use only the first N requests (0 = all)")
+    sim.add_argument("--routers", type=int, default=1,
+                     help="router replicas sharing the arrivals in turn, each with its own ledger and 50 ms-stale "
+                          "polls of the others' work (default 1); the saturation rate is still one router's")
     sim.add_argument("--json", help="write the results here (atomically)")
     sim.set_defaults(func=cmd_sim)
 

@@ -9,10 +9,23 @@ Contract (checked by one shared test suite for every registered policy):
 - pure: no I/O, no clock reads (`now` is passed in), never mutates its arguments;
 - returns ids drawn from the candidates (`prefill_id == decode_id` only for policies that may
   prefill on the decode instance);
-- deterministic: the same construction and call sequence give the same decisions;
+- deterministic: the same construction and call sequence give the same decisions (a policy that
+  breaks near-ties at random draws from its own `random.Random(seed)`, never the global RNG);
 - raises `NoCapacity` when no candidate can ever hold the request (empty pool, or a prompt
   beyond every instance's KV capacity). A candidate that is merely busy is still a candidate.
-A policy may keep private state (a round-robin cursor); it is not shared across router replicas.
+A policy may keep private state (a round-robin cursor, a tie-break RNG); it is not shared across
+router replicas: each replica builds its own, with `Policy.for_replica(index)` so that replicas
+built from one config do not draw the same tie-break stream in lockstep.
+
+Near-tie breaking (`tie_tolerance`, `seed`): the argmin policies (least_loaded, colocated,
+length_heuristic, marginal_cost, oracle, pair_cost) take an optional relative tolerance. With
+`tie_tolerance: 0.0` (the default) they are today's deterministic argmin. With t > 0 they choose
+uniformly at random among the candidates whose cost is at most (1 + t) × the best cost, from a
+`random.Random(seed)` the policy owns. Why: several router replicas see each other's admissions
+only at the next engine poll, so between polls they all see the same idle-looking instance; a
+deterministic argmin sends all of them there (herding), a random pick among near-equals spreads them.
+Measured (docs/multi-router.md): with 50 ms polls it recovers only part of what K routers lose; what
+closes the gap is fresher knowledge of the calls the other routers sent since the last poll.
 
 Policies are built by name through `build_policy`, which rejects unknown names and unknown
 parameters with the allowed ones listed. Each policy's docstring gives its config name, parameters
@@ -21,7 +34,9 @@ and a YAML example.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Sequence
+import hashlib
+import random
+from typing import Annotated, Any, Callable, ClassVar, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -63,6 +78,24 @@ class Policy:
         now: float,
     ) -> Decision:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def for_replica(self, index: int) -> "Policy":
+        """A fresh policy for router replica `index`: same class, cost model and parameters, no shared
+        state. A policy with a `seed` gets a seed derived from (seed, index) — index 0 keeps the
+        configured seed — so that replicas do not break ties in lockstep."""
+        if index < 0:
+            raise ValueError(f"replica index must be >= 0, got {index}")
+        params = self.params
+        if index and "seed" in type(params).model_fields:
+            params = params.model_copy(update={"seed": replica_seed(params.seed, index)})
+        return type(self)(self.cost_model, params)
+
+
+def replica_seed(seed: int, index: int) -> int:
+    """The tie-break seed of router replica `index` (0 keeps `seed`); stable across runs and platforms."""
+    if index == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest()[:8], "big")
 
 
 def register(cls: type[Policy]) -> type[Policy]:
@@ -116,6 +149,46 @@ def _feasible(pool: Sequence[InstanceView], req: RequestFeatures, pool_name: str
     return ok
 
 
+class TieBreakParams(Params):
+    """Near-tie breaking, shared by the argmin policies (module docstring)."""
+
+    tie_tolerance: float = Field(
+        default=0.0, ge=0.0, allow_inf_nan=False,
+        description="choose uniformly at random among candidates within (1 + tie_tolerance) × the best cost; "
+                    "0 = deterministic argmin",
+    )
+    seed: int = Field(default=0, description="seed of the policy's own tie-break RNG (used when tie_tolerance > 0)")
+
+
+_T = TypeVar("_T")
+
+
+class _TieBreak:
+    """Argmin with optional random choice among near-ties, from a seeded `random.Random`.
+
+    With tolerance 0 it is the plain argmin (first of equal minima) and draws nothing, so a policy
+    at the default behaves, and costs, exactly as before the parameter existed."""
+
+    __slots__ = ("tol", "rng")
+
+    def __init__(self, params: TieBreakParams) -> None:
+        self.tol = params.tie_tolerance
+        self.rng = random.Random(params.seed)
+
+    def pick(self, items: Sequence[_T], costs: Sequence[float]) -> _T:
+        best = min(costs)
+        if not self.tol:
+            return items[costs.index(best)]
+        bound = best + self.tol * abs(best)
+        near = [x for x, c in zip(items, costs) if c <= bound]
+        return near[0] if len(near) == 1 else self.rng.choice(near)
+
+    def argmin(self, items: Sequence[_T], key: Callable[[_T], float]) -> _T:
+        if not self.tol:
+            return min(items, key=key)  # first of equal minima, as before
+        return self.pick(items, [key(x) for x in items])
+
+
 class _Cursor:
     """Round-robin cursor that tolerates pools changing size (autoscaling)."""
 
@@ -165,21 +238,26 @@ class LeastLoaded(Policy):
     """`least_loaded`: join the shortest queue (fewest in-flight requests) in each pool.
 
     Ties go to the next instance in round-robin order, so an idle fleet is still spread evenly.
+    Parameters: `tie_tolerance` (default 0.0) and `seed` (default 0): with a tolerance t > 0, a
+    uniformly random instance among those with at most (1 + t) × the fewest in-flight requests
+    (module docstring).
 
     ```yaml
-    policy: {name: least_loaded}
+    policy: {name: least_loaded, params: {tie_tolerance: 0.0, seed: 0}}
     ```
     """
 
     name = "least_loaded"
+    Params = TieBreakParams
 
     def __init__(self, cost_model: CostModel, params: Params | None = None) -> None:
         super().__init__(cost_model, params)
         self._p, self._d = _Cursor(), _Cursor()
+        self._tie = _TieBreak(self.params)
 
     def choose(self, req, prefill, decode, now):
-        p = min(self._p.rotated(_feasible(prefill, req, "prefill")), key=_queued)
-        d = min(self._d.rotated(_feasible(decode, req, "decode")), key=_queued)
+        p = self._tie.argmin(self._p.rotated(_feasible(prefill, req, "prefill")), _queued)
+        d = self._tie.argmin(self._d.rotated(_feasible(decode, req, "decode")), _queued)
         return Decision(p.instance_id, d.instance_id, self.name)
 
 
@@ -188,13 +266,15 @@ class Colocated(Policy):
     """`colocated`: no disaggregation — prefill and decode on the same decode-pool instance, the one
     with the fewest in-flight requests (ties in round-robin order). The baseline that tells whether
     disaggregation pays on a workload, and the reference for greedy-equivalence checks.
+    Parameters: `tie_tolerance` (default 0.0) and `seed` (default 0), as in `least_loaded`.
 
     ```yaml
-    policy: {name: colocated}
+    policy: {name: colocated, params: {tie_tolerance: 0.0, seed: 0}}
     ```
     """
 
     name = "colocated"
+    Params = TieBreakParams
 
     @property
     def may_colocate(self) -> bool:
@@ -203,9 +283,10 @@ class Colocated(Policy):
     def __init__(self, cost_model: CostModel, params: Params | None = None) -> None:
         super().__init__(cost_model, params)
         self._d = _Cursor()
+        self._tie = _TieBreak(self.params)
 
     def choose(self, req, prefill, decode, now):
-        d = min(self._d.rotated(_feasible(decode, req, "decode")), key=_queued)
+        d = self._tie.argmin(self._d.rotated(_feasible(decode, req, "decode")), _queued)
         return Decision(d.instance_id, d.instance_id, self.name)
 
 
@@ -224,14 +305,16 @@ class LengthHeuristic(Policy):
     Prefill goes to the shortest queue. A request predicted to generate at least
     `long_output_tokens` tokens is a long-lived KV tenant: it goes to the decode instance with the
     lowest KV pressure after admission, so long generations spread by memory. Shorter ones join the
-    shortest decode queue. Ties in round-robin order.
+    shortest decode queue. Ties in round-robin order. Parameters: `long_output_tokens` (default 256),
+    and `tie_tolerance` (default 0.0) with `seed` (default 0): near-ties of each key (queue length,
+    KV pressure) broken at random (module docstring).
 
     ```yaml
-    policy: {name: length_heuristic, params: {long_output_tokens: 256}}
+    policy: {name: length_heuristic, params: {long_output_tokens: 256, tie_tolerance: 0.0, seed: 0}}
     ```
     """
 
-    class Params(Params):
+    class Params(TieBreakParams):
         long_output_tokens: int = Field(default=256, gt=0, description="outputs at least this long count as long")
 
     name = "length_heuristic"
@@ -239,21 +322,22 @@ class LengthHeuristic(Policy):
     def __init__(self, cost_model: CostModel, params: Params | None = None) -> None:
         super().__init__(cost_model, params)
         self._p, self._d = _Cursor(), _Cursor()
+        self._tie = _TieBreak(self.params)
 
     def choose(self, req, prefill, decode, now):
-        p = min(self._p.rotated(_feasible(prefill, req, "prefill")), key=_queued)
+        p = self._tie.argmin(self._p.rotated(_feasible(prefill, req, "prefill")), _queued)
         pool = self._d.rotated(_feasible(decode, req, "decode"))
         if req.predicted_output_tokens >= self.params.long_output_tokens:
-            d = min(pool, key=_pressure_key(req.prompt_tokens + req.predicted_output_tokens))
+            d = self._tie.argmin(pool, _pressure_key(req.prompt_tokens + req.predicted_output_tokens))
         else:
-            d = min(pool, key=_queued)
+            d = self._tie.argmin(pool, _queued)
         return Decision(p.instance_id, d.instance_id, self.name)
 
 
 # --- the calibrated scorer ----------------------------------------------------------------------
 
 
-class MarginalCostParams(Params):
+class MarginalCostParams(TieBreakParams):
     w_backlog: float = Field(default=1.0, ge=0.0, description="w_b: weight of committed backlog seconds")
     w_service: float = Field(default=1.0, ge=0.0, description="w_s: weight of the request's own work")
     w_queue_s: float = Field(default=0.002, ge=0.0, description="w_q: seconds charged per queued request")
@@ -278,15 +362,25 @@ class MarginalCost(Policy):
     Argmin in each pool independently; ties go to the first candidate. The chosen candidates' terms
     travel in the Decision, so every choice can be explained.
 
+    Parameters: `w_backlog`, `w_service`, `w_queue_s`, `rho`, `sigma` (above), and near-tie breaking:
+    `tie_tolerance` (default 0.0 = deterministic argmin) and `seed` (default 0). With t > 0 each pool's
+    choice is uniformly random among the candidates costing at most (1 + t) × that pool's best, so
+    router replicas with equally stale views do not all pick the same instance.
+
     ```yaml
     policy:
       name: marginal_cost
-      params: {w_backlog: 1.0, w_service: 1.0, w_queue_s: 0.002, rho: 1.0, sigma: {tight: 2.0, loose: 1.0}}
+      params: {w_backlog: 1.0, w_service: 1.0, w_queue_s: 0.002, rho: 1.0, sigma: {tight: 2.0, loose: 1.0},
+               tie_tolerance: 0.05, seed: 0}
     ```
     """
 
     name = "marginal_cost"
     Params = MarginalCostParams
+
+    def __init__(self, cost_model: CostModel, params: Params | None = None) -> None:
+        super().__init__(cost_model, params)
+        self._tie = _TieBreak(self.params)
 
     def output_tokens(self, req: RequestFeatures) -> int:
         return req.predicted_output_tokens
@@ -328,34 +422,26 @@ class MarginalCost(Policy):
     def _argmin_prefill(self, pool, req, sigma):
         prm, cm, p = self.params, self.cost_model, req.prompt_tokens
         wb, ws, wq, rho = prm.w_backlog * sigma, prm.w_service * sigma, prm.w_queue_s, prm.rho
-        best, best_total = None, float("inf")
-        for v in pool:
-            press = (v.kv_used_tokens + p) / v.kv_capacity_tokens
-            total = wb * v.backlog_s + ws * cm.for_instance(v.instance_id).prefill_s(p) * (1.0 + rho * press) + wq * v.queued
-            if total < best_total:
-                best, best_total = v, total
-        return best
+        totals = [wb * v.backlog_s + ws * cm.for_instance(v.instance_id).prefill_s(p)
+                  * (1.0 + rho * ((v.kv_used_tokens + p) / v.kv_capacity_tokens)) + wq * v.queued for v in pool]
+        return self._tie.pick(pool, totals)
 
     def _argmin_decode(self, pool, req, sigma, out):
         prm, cm, extra = self.params, self.cost_model, req.prompt_tokens + out
         wb, ws, wq, rho = prm.w_backlog * sigma, prm.w_service * sigma * out, prm.w_queue_s, prm.rho
-        best, best_total = None, float("inf")
-        for v in pool:
-            press = (v.kv_used_tokens + extra) / v.kv_capacity_tokens
-            tau = cm.for_instance(v.instance_id).decode_token_s(v.queued + 1)
-            total = wb * v.backlog_s + ws * tau * (1.0 + rho * press) + wq * v.queued
-            if total < best_total:
-                best, best_total = v, total
-        return best
+        totals = [wb * v.backlog_s + ws * cm.for_instance(v.instance_id).decode_token_s(v.queued + 1)
+                  * (1.0 + rho * ((v.kv_used_tokens + extra) / v.kv_capacity_tokens)) + wq * v.queued for v in pool]
+        return self._tie.pick(pool, totals)
 
 
 @register
 class Oracle(MarginalCost):
     """`oracle`: `marginal_cost` told the true output length — an upper bound on what a better
     output-length predictor could gain. Simulator only: live requests have no true length.
+    Parameters: those of `marginal_cost`, `tie_tolerance` and `seed` included.
 
     ```yaml
-    policy: {name: oracle}   # `disagg sim` only
+    policy: {name: oracle, params: {tie_tolerance: 0.0, seed: 0}}   # `disagg sim` only
     ```
     """
 
@@ -391,8 +477,14 @@ class PairCost(MarginalCost):
     but the prefill joins d's backlog and stalls the sequences running there, charged as
     `interference × prefill time × queued(d)`.
 
+    Parameters: those of `marginal_cost` (weights, `sigma`, and `tie_tolerance` / `seed`), plus
+    `allow_colocated` and `interference`. With `tie_tolerance` t > 0: without per-pair transfer
+    constants the prefill instance is drawn among those priced within (1 + t) × the cheapest prefill,
+    then the (prefill, decode) pairs and colocated options within (1 + t) × the cheapest of them;
+    with per-pair constants, among all pairs and colocated options within (1 + t) × the cheapest.
+
     ```yaml
-    policy: {name: pair_cost, params: {allow_colocated: true, interference: 1.0}}
+    policy: {name: pair_cost, params: {allow_colocated: true, interference: 1.0, tie_tolerance: 0.05, seed: 0}}
     ```
     """
 
@@ -410,36 +502,34 @@ class PairCost(MarginalCost):
         out = self.output_tokens(req)
         decode_ok = _feasible(decode, req, "decode")
         d_priced = [(d, self.decode_terms(d, req, sigma, out)) for d in decode_ok]
-        best: tuple[float, InstanceView, CostTerms, InstanceView, CostTerms] | None = None
+        options: list[tuple[float, InstanceView, CostTerms, InstanceView, CostTerms]] = []
 
         prefill_ok = [v for v in prefill if _fits(v, req.prompt_tokens)]
         p_priced = [(p, self.prefill_terms(p, req, sigma)) for p in prefill_ok]
         if cm.pairs:
             candidates = ((p, pt, d, dt) for p, pt in p_priced for d, dt in d_priced)
         elif p_priced:
-            p, pt = min(p_priced, key=lambda x: x[1].total_s)
+            # the prefill choice is independent of d: its near-ties are judged on the prefill price
+            # alone (a tolerance on the pair total would drown them in the decode backlog)
+            p, pt = self._tie.pick(p_priced, [x[1].total_s for x in p_priced])
             candidates = ((p, pt, d, dt) for d, dt in d_priced)
         else:
             candidates = iter(())
         for p, pt, d, dt in candidates:
             xfer = prm.w_service * cm.transfer_s(p.instance_id, d.instance_id, req.prompt_tokens) * sigma
-            total = pt.total_s + dt.total_s + xfer
-            if best is None or total < best[0]:
-                best = (total, p, pt, d, _with_transfer(dt, xfer))
+            options.append((pt.total_s + dt.total_s + xfer, p, pt, d, _with_transfer(dt, xfer)))
 
         if prm.allow_colocated:
             for d, dt in d_priced:
                 work = cm.for_instance(d.instance_id).prefill_s(req.prompt_tokens)
                 stall = prm.interference * work * d.queued
                 pt = CostTerms(own_work_s=prm.w_service * (work + stall) * sigma, slo_weight=sigma)
-                total = pt.total_s + dt.total_s
-                if best is None or total < best[0]:
-                    best = (total, d, pt, d, dt)
+                options.append((pt.total_s + dt.total_s, d, pt, d, dt))
 
-        if best is None:
+        if not options:
             _feasible(prefill, req, "prefill")  # raises the precise reason
             raise NoCapacity("no prefill candidate fits and colocated prefill is disabled")
-        _, p, pt, d, dt = best
+        _, p, pt, d, dt = self._tie.pick(options, [o[0] for o in options])  # tolerance 0: the first cheapest
         return Decision(p.instance_id, d.instance_id, self.name, pt, dt)
 
 

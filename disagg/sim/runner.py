@@ -66,14 +66,20 @@ def simulate(
     poll_interval_s: float = 0.05,
     router_cost_model: CostModel | None = None,
     progress: Callable[[int], None] | None = None,
+    routers: int = 1,
+    others_totals: bool = True,
+    peer_notify_s: float | None = None,
 ) -> tuple[dict, SimResult]:
     """One policy through the simulator. `router_cost_model` lets the router believe other
-    constants than the engines really have (the miscalibration study)."""
+    constants than the engines really have (the miscalibration study). `routers` router replicas
+    share the arrivals in turn; `others_totals=False` hides the engines' received-call ledgers
+    from them, `peer_notify_s` adds the routers' notices to each other (see `Simulator`)."""
     policy = build_policy(policy_name, router_cost_model or cost_model, policy_params)
     predictor = BucketMeanPredictor()
     if predictor_error > 0:
         predictor = NoisyPredictor(predictor, predictor_error, seed=seed)
-    sim = Simulator(cost_model, topology, policy, predictor, poll_interval_s=poll_interval_s)
+    sim = Simulator(cost_model, topology, policy, predictor, poll_interval_s=poll_interval_s, routers=routers,
+                    others_totals=others_totals, peer_notify_s=peer_notify_s)
     trace, capped = clamp_to_context(trace, cost_model.engine.kv_capacity_tokens)
     result = sim.run(trace, progress=progress)
     summary = summarize(result.records, result.instance_tokens)
@@ -170,11 +176,12 @@ def compare(
     predictor_error: float = 0.0,
     router_cost_model: CostModel | None = None,
     progress: Callable[[int], None] | None = None,
+    routers: int = 1,
 ) -> dict[str, dict]:
     t = prepare_trace(trace, rate, tight_share, seed)
     out = {}
     for name in policies:
         summary, _ = simulate(t, cost_model, topology, name, predictor_error=predictor_error, seed=seed,
-                              router_cost_model=router_cost_model, progress=progress)
+                              router_cost_model=router_cost_model, progress=progress, routers=routers)
         out[name] = summary
     return out

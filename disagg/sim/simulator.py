@@ -17,18 +17,48 @@ tokens / bandwidth) → the prefill instance frees its blocks → decode → las
 first token the *client* sees, produced by the decode instance's first step (as in vLLM's
 disaggregated flow). A colocated decision runs prefill and decode on the decode instance.
 A prompt no instance can ever hold is rejected (`NoCapacity`) and counted as a failure.
+
+Several router replicas (`routers=K`, default 1): arrivals go to the routers in turn (as Serve's
+proxy spreads requests). Each router has its own `Ledger`, its own policy object
+(`Policy.for_replica(k)`: same parameters, its own tie-break seed) and its own output-length
+predictor (a copy of the given one, learning only from the requests that router served). Each
+engine keeps a ledger of the calls it has *received*, per router, with the work the router priced
+at admission (`AdmittedWork`, the live engines' class): the prefill instance counts a request's
+prefill work from the prefill call's arrival (the decision: the simulator has no network delay)
+until the prefill returns (its first token);
+the decode instance counts the decode work from the decode call's arrival (when the prefill has
+returned: the router then calls the decode, which pulls the KV) until the last token. A colocated
+request's call reaches its decode instance at the decision and counts both parts until its last
+token (as the router's own ledger does here). Every router polls every engine every
+`poll_interval_s`, router k at phase k/K of the interval (replicas do not poll in step), and its
+poll of an instance carries the other routers' received totals (`PolledState.others_backlog_s`,
+`others_queued`), which `Ledger.view` adds to the router's own live ledger. So router k sees its
+own admissions at once, and the others' only once they have reached the instance and k has polled
+since. Polls stay lazy and exact: engine state and received ledgers change only at that engine's
+events, before each of which every router's pending poll of it is taken. With K = 1 the run is
+the single-router run, decision for decision. `others_totals=False` is the ablation without the
+engine ledgers: routers see each other only through the polled KV use.
+
+Peer notices (`peer_notify_s`, off by default): each router also tells the others of every call it
+sends (prefill, decode, or colocated: instance and priced work) at once; a notice is visible to a
+peer `peer_notify_s` later and counts in its view of that instance until the peer's next poll of
+it, whose totals then include the call. This closes the gap the polls leave — the calls sent since
+the last poll — which is what costs goodput with 50 ms polls (docs/multi-router.md).
 """
 
 from __future__ import annotations
 
+import copy
 import heapq
+import math
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from disagg.core.cost_model import CostModel
 from disagg.core.engine_model import EngineModel, Job
-from disagg.core.ledger import Ledger, PolledState, admission_work
+from disagg.core.ledger import AdmittedWork, Ledger, PolledState, admission_work, others
 from disagg.core.policies import Policy
 from disagg.core.predictor import BucketMeanPredictor, OutputLengthPredictor
 from disagg.core.types import InstanceView, NoCapacity, RequestFeatures, Role, SloClass
@@ -81,6 +111,9 @@ class _Flight:
     prefill_job: Job | None = None
     decode_job: Job | None = None
     t_first: float | None = None
+    router: int = 0
+    prefill_work_s: float = 0.0  # priced at admission; the calls carry it to the engines' ledgers
+    decode_work_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -103,15 +136,34 @@ class Simulator:
         predictor: OutputLengthPredictor | None = None,
         poll_interval_s: float = 0.05,
         record_decision_time: bool = True,
+        routers: int = 1,
+        others_totals: bool = True,
+        peer_notify_s: float | None = None,
     ) -> None:
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
+        if peer_notify_s is not None and not (peer_notify_s >= 0 and math.isfinite(peer_notify_s)):
+            raise ValueError(f"peer_notify_s must be None (off) or a finite delay >= 0, got {peer_notify_s!r}")
+        if isinstance(routers, bool) or not isinstance(routers, int) or routers < 1:
+            raise ValueError(f"routers must be an integer >= 1, got {routers!r}")
         self.cm = cost_model
         self.topology = topology
         self.policy = policy
         self.predictor = predictor or BucketMeanPredictor()
         self.poll_interval_s = poll_interval_s
         self.record_decision_time = record_decision_time
+        self.routers = routers
+        self.others_totals = others_totals
+        self.peer_notify_s = peer_notify_s if routers > 1 else None
+        # admission notices from the other routers, per router and instance, until a poll covers them:
+        # (admitted at, visible from, work seconds)
+        self._notices: list[dict[str, deque]] = [{iid: deque() for iid in topology.prefill_ids() + topology.decode_ids()}
+                                                 for _ in range(routers)]
+        # router k's own policy, predictor and ledger; router 0's are the ones passed in
+        self.policies = [policy] + [policy.for_replica(k) for k in range(1, routers)]
+        self.predictors = [self.predictor] + [copy.deepcopy(self.predictor) for _ in range(1, routers)]
+        self.ledgers = [Ledger() for _ in range(routers)]
+        self.ledger = self.ledgers[0]
         self.engines: dict[str, EngineModel] = {}
         self.roles: dict[str, Role] = {}
         for iid in topology.prefill_ids():
@@ -122,10 +174,15 @@ class Simulator:
             self.roles[iid] = Role.DECODE
         self.prefill_ids = topology.prefill_ids()
         self.decode_ids = topology.decode_ids()
-        self.ledger = Ledger()
-        self._polled = {iid: self._poll_one(e) for iid, e in self.engines.items()}
-        self._tick_seen = dict.fromkeys(self.engines, 0)
-        self._polled_version = {iid: e.version for iid, e in self.engines.items()}
+        # each engine's own ledger of the calls it is serving, per router (the live engines' class)
+        self.router_ids = [f"router-{k}" for k in range(routers)]
+        self.received = {iid: AdmittedWork() for iid in self.engines}
+        self._received_version = dict.fromkeys(self.engines, 0)
+        # router k polls at k/K of the interval; with K = 1 this is the single router's grid
+        self._phase = [k * poll_interval_s / routers for k in range(routers)]
+        self._polled = [{iid: self._poll_one(iid, k) for iid in self.engines} for k in range(routers)]
+        self._tick_seen = [dict.fromkeys(self.engines, self._tick(k, 0.0)) for k in range(routers)]
+        self._polled_version = [{iid: self._version(iid) for iid in self.engines} for _ in range(routers)]
         self._heap: list = []
         self._seq = 0
         self._step_epoch: dict[str, int] = {iid: 0 for iid in self.engines}
@@ -142,16 +199,41 @@ class Simulator:
         self._step_epoch[iid] += 1
         self._push(end, _STEP, ("step", iid, self._step_epoch[iid]))
 
+    # --- polls ---------------------------------------------------------------------------------
+
+    def _tick(self, k: int, now: float) -> int:
+        """Router k's latest poll tick at `now` (for k = 0, now ≥ 0: int(now / interval))."""
+        return math.floor((now - self._phase[k]) / self.poll_interval_s)
+
+    def _version(self, iid: str) -> int | tuple[int, int]:
+        """Changes whenever what a poll of `iid` reads may have changed."""
+        if self.routers == 1:  # no other routers' totals to read
+            return self.engines[iid].version
+        return self.engines[iid].version, self._received_version[iid]
+
     def _refresh(self, iid: str, now: float) -> None:
-        """Take the poll of the latest tick if it has not been taken: call before touching an engine."""
-        tick = int(now / self.poll_interval_s)
-        if tick != self._tick_seen[iid]:
-            self._tick_seen[iid] = tick
-            e = self.engines[iid]
-            if e.version != self._polled_version[iid]:  # unchanged engine: same snapshot
-                self._polled_version[iid] = e.version
-                self._polled[iid] = self._poll_one(e)
-            self.ledger.polled(iid)
+        """Take every router's poll of the latest tick if not taken yet: call before touching an
+        engine or its received ledger."""
+        if self.routers == 1:  # the hot path of the single-router run
+            tick = int(now / self.poll_interval_s)
+            if tick != self._tick_seen[0][iid]:
+                self._tick_seen[0][iid] = tick
+                version = self.engines[iid].version
+                if version != self._polled_version[0][iid]:
+                    self._polled_version[0][iid] = version
+                    self._polled[0][iid] = self._poll_one(iid, 0)
+                self.ledger.polled(iid)
+            return
+        for k in range(self.routers):
+            tick = self._tick(k, now)
+            seen = self._tick_seen[k]
+            if tick != seen[iid]:
+                seen[iid] = tick
+                version = self._version(iid)
+                if version != self._polled_version[k][iid]:  # unchanged engine: same snapshot
+                    self._polled_version[k][iid] = version
+                    self._polled[k][iid] = self._poll_one(iid, k)
+                self.ledgers[k].polled(iid)
 
     def _poke(self, iid: str, now: float) -> None:
         engine = self.engines[iid]
@@ -161,17 +243,64 @@ class Simulator:
             xfer = self.cm.transfer_s(f.prefill_id, f.decode_id, f.req.prompt_tokens)
             self._push(now + xfer, _TRANSFER, ("kv", f))
 
-    @staticmethod
-    def _poll_one(e: EngineModel) -> PolledState:
-        return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens, e.running, e.num_waiting)
+    def _poll_one(self, iid: str, k: int) -> PolledState:
+        """What router k's poll of `iid` reads: the engine's state, and the other routers' totals
+        from the engine's ledger of received calls."""
+        e = self.engines[iid]
+        if self.routers == 1 or not self.others_totals:
+            return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens, e.running, e.num_waiting)
+        work, calls = others(self.received[iid].totals(), self.router_ids[k])
+        return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens, e.running, e.num_waiting,
+                           others_backlog_s=work, others_queued=calls)
 
-    def _views(self, ids: Sequence[str], now: float) -> list[InstanceView]:
-        tick, seen = int(now / self.poll_interval_s), self._tick_seen
-        for i in ids:
-            if seen[i] != tick:
+    def _call_arrived(self, iid: str, k: int, work_s: float) -> None:
+        """A call of router k, carrying its priced work, reached engine `iid`."""
+        self.received[iid].add(self.router_ids[k], work_s)
+        self._received_version[iid] += 1
+
+    def _call_ended(self, iid: str, k: int, work_s: float) -> None:
+        """A call of router k on engine `iid` ended (a prefill returned, a decode's last token)."""
+        self.received[iid].remove(self.router_ids[k], work_s)
+        self._received_version[iid] += 1
+
+    def _views(self, ids: Sequence[str], now: float, k: int = 0) -> list[InstanceView]:
+        # every router's pending poll is taken, not only k's: the decision is about to change engines
+        if self.routers == 1:
+            tick, seen = int(now / self.poll_interval_s), self._tick_seen[0]
+            for i in ids:
+                if seen[i] != tick:
+                    self._refresh(i, now)
+        else:
+            for i in ids:
                 self._refresh(i, now)
-        led, pol, roles = self.ledger, self._polled, self.roles
+        led, pol, roles = self.ledgers[k], self._polled[k], self.roles
+        if self.peer_notify_s is not None:
+            return [led.view(i, roles[i], self._with_notices(k, i, pol[i], now)) for i in ids]
         return [led.view(i, roles[i], pol[i]) for i in ids]
+
+    def _notify_peers(self, k: int, iid: str, work_s: float, now: float) -> None:
+        """Router k tells the other routers what it has just sent to `iid` (the peer-notice mechanism)."""
+        visible = now + self.peer_notify_s
+        for j in range(self.routers):
+            if j != k:
+                self._notices[j][iid].append((now, visible, work_s))
+
+    def _with_notices(self, k: int, iid: str, polled: PolledState, now: float) -> PolledState:
+        """Router k's poll of `iid` plus the notices it has received of calls its poll cannot show
+        yet (sent at or after the poll: the engine got them after it answered)."""
+        q = self._notices[k][iid]
+        t_poll = self._phase[k] + self._tick(k, now) * self.poll_interval_s
+        while q and q[0][0] < t_poll:  # the poll covers it: the engine's totals include it
+            q.popleft()
+        work, n = 0.0, 0
+        for _, visible, w in q:
+            if visible > now:
+                break
+            work += w
+            n += 1
+        if not n:
+            return polled
+        return replace(polled, others_backlog_s=polled.others_backlog_s + work, others_queued=polled.others_queued + n)
 
     # --- the run -------------------------------------------------------------------------------
 
@@ -198,15 +327,21 @@ class Simulator:
                 out = engine.end_step(now)
                 for job in out.prefilled:
                     f: _Flight = job.payload
+                    self._call_ended(iid, f.router, f.prefill_work_s)  # the prefill call returns
                     dj = Job(f.rid, f.req.prompt_tokens, f.req.output_tokens, remote_kv=True, payload=f)
                     f.decode_job = dj
                     self._refresh(f.decode_id, now)
+                    self._call_arrived(f.decode_id, f.router, f.decode_work_s)  # the decode call arrives
+                    if self.peer_notify_s is not None:
+                        self._notify_peers(f.router, f.decode_id, f.decode_work_s, now)
                     self.engines[f.decode_id].submit(dj)
                     self._poke(f.decode_id, now)
                 for job in out.finished:
                     f = job.payload
-                    self.ledger.finish(f.rid)
-                    self.predictor.observe(f.req.prompt_tokens, f.slo, f.req.output_tokens)
+                    colocated_work = f.prefill_work_s if f.prefill_id == f.decode_id else 0.0
+                    self._call_ended(iid, f.router, f.decode_work_s + colocated_work)
+                    self.ledgers[f.router].finish(f.rid)
+                    self.predictors[f.router].observe(f.req.prompt_tokens, f.slo, f.req.output_tokens)
                     instance_tokens[f.decode_id] += f.req.output_tokens
                     if f.prefill_id != f.decode_id:
                         instance_tokens[f.prefill_id] += f.req.prompt_tokens
@@ -221,29 +356,31 @@ class Simulator:
                 self._refresh(f.prefill_id, now)
                 self._refresh(f.decode_id, now)
                 self.engines[f.prefill_id].release(f.prefill_job)
-                self.ledger.prefill_done(f.rid)
+                self.ledgers[f.router].prefill_done(f.rid)
                 self.engines[f.decode_id].kv_arrived(f.decode_job)
                 self._poke(f.decode_id, now)
                 self._poke(f.prefill_id, now)
-            else:  # arrival
+            else:  # arrival, at router i mod K
                 _, i, r = ev
+                k = i % self.routers
+                policy = self.policies[k]
                 slo = r.slo_class or default_slo
-                predicted = self.predictor.predict(r.prompt_tokens, slo)
+                predicted = self.predictors[k].predict(r.prompt_tokens, slo)
                 feats = RequestFeatures(f"r{i}", r.prompt_tokens, predicted, slo, r.output_tokens)
-                pv, dv = self._views(self.prefill_ids, now), self._views(self.decode_ids, now)
+                pv, dv = self._views(self.prefill_ids, now, k), self._views(self.decode_ids, now, k)
                 try:
                     if self.record_decision_time:
                         t0 = perf()
-                        d = self.policy.choose(feats, pv, dv, now)
+                        d = policy.choose(feats, pv, dv, now)
                         decision_us.append((perf() - t0) * 1e6)
                     else:
-                        d = self.policy.choose(feats, pv, dv, now)
+                        d = policy.choose(feats, pv, dv, now)
                 except NoCapacity as e:
                     records.append(RequestRecord.failure(f"r{i}", r, slo, now, str(e)))
                     if progress:
                         progress(1)
                     continue
-                f = _Flight(r, f"r{i}", slo, predicted, d.prefill_id, d.decode_id)
+                f = _Flight(r, f"r{i}", slo, predicted, d.prefill_id, d.decode_id, router=k)
                 self._admit(f, now)
         return SimResult(
             records=records,
@@ -256,18 +393,28 @@ class Simulator:
 
     def _admit(self, f: _Flight, now: float) -> None:
         r = f.req
+        ledger = self.ledgers[f.router]
         # priced with the router's constants (which the miscalibration study makes wrong)
-        prefill_work, decode_work = admission_work(self.policy.cost_model, f.prefill_id, f.decode_id, r.prompt_tokens,
-                                                   f.predicted, self.ledger.queued(f.decode_id))
-        self.ledger.admit(f.rid, f.prefill_id, f.decode_id, prefill_work, decode_work, r.prompt_tokens)
+        prefill_work, decode_work = admission_work(self.policies[f.router].cost_model, f.prefill_id, f.decode_id,
+                                                   r.prompt_tokens, f.predicted, ledger.queued(f.decode_id))
+        ledger.admit(f.rid, f.prefill_id, f.decode_id, prefill_work, decode_work, r.prompt_tokens)
+        f.prefill_work_s, f.decode_work_s = prefill_work, decode_work
+        # the call reaches its engine now (its poll was taken in _views, at this same time)
+        if self.peer_notify_s is not None:
+            if f.prefill_id == f.decode_id:
+                self._notify_peers(f.router, f.decode_id, prefill_work + decode_work, now)
+            else:
+                self._notify_peers(f.router, f.prefill_id, prefill_work, now)
         if f.prefill_id == f.decode_id:
             job = Job(f.rid, r.prompt_tokens, r.output_tokens, payload=f)
             f.decode_job = job
+            self._call_arrived(f.decode_id, f.router, prefill_work + decode_work)
             self.engines[f.decode_id].submit(job)
             self._poke(f.decode_id, now)
         else:
             job = Job(f.rid, r.prompt_tokens, 1, prefill_only=True, payload=f)
             f.prefill_job = job
+            self._call_arrived(f.prefill_id, f.router, prefill_work)
             self.engines[f.prefill_id].submit(job)
             self._poke(f.prefill_id, now)
 

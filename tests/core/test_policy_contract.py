@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from disagg.core.policies import build_policy, known_policies
+from disagg.core.policies import build_policy, known_policies, policy_class
 from disagg.core.types import Decision, NoCapacity, Role, SloClass
 from factories import make_cost_model, make_instances, make_request
 
@@ -111,6 +111,32 @@ def test_deterministic_for_fresh_instances(name, cm):
     assert da == db
     # and the decisions are not all the same pair, so the comparison means something
     assert len({(x.prefill_id, x.decode_id) for x in da}) > 1
+
+
+# Policies that break near-ties at random keep the contract with a tolerance too: candidate ids,
+# purity, and the same decisions from the same seed (their RNG is their own, seeded by `seed`).
+TIE_BREAKING = [n for n in ALL if "tie_tolerance" in policy_class(n).Params.model_fields]
+
+
+@pytest.mark.parametrize("name", TIE_BREAKING)
+def test_random_tie_breaking_keeps_the_contract(name, cm):
+    a = _policy(name, cm, tie_tolerance=0.3, seed=5)
+    b = _policy(name, cm, tie_tolerance=0.3, seed=5)
+    for i, (req, prefill, decode) in enumerate(_scenario()):
+        p0, d0 = list(prefill), list(decode)
+        da, db = a.choose(req, prefill, decode, now=float(i)), b.choose(req, prefill, decode, now=float(i))
+        assert da == db
+        _assert_ids_from_candidates(name, da, prefill, decode)
+        assert prefill == p0 and decode == d0
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_replicas_are_fresh_policies_of_the_same_kind(name, cm):
+    pol = _policy(name, cm)
+    rep = pol.for_replica(1)
+    assert type(rep) is type(pol) and rep is not pol
+    req, prefill, decode = _scenario()[0]
+    _assert_ids_from_candidates(name, rep.choose(req, prefill, decode, now=0.0), prefill, decode)
 
 
 @pytest.mark.parametrize("name", ALL)
