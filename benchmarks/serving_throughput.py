@@ -2,10 +2,13 @@
 
 Usage (from the repository root, with nothing else running on the machine):
 
-    .venv/bin/python benchmarks/serving_throughput.py --rounds 7 --sequential 16 --json runs/serving_throughput.json
-    # Ray Serve LLM's direct-streaming mode needs env vars at `ray start`: a separate run
+    # Serve's fast path (HAProxy ingress, gRPC between replicas; what `make run` uses) for A and C,
+    # Ray Serve LLM with its direct streaming
     .venv/bin/python benchmarks/serving_throughput.py --mode direct --rounds 7 --sequential 16 \
         --json runs/serving_throughput-direct.json
+    # Serve's defaults for A and C (Ray Serve LLM as shipped): cluster env vars differ, a separate run
+    .venv/bin/python benchmarks/serving_throughput.py --mode shipped --rounds 7 --sequential 16 \
+        --json runs/serving_throughput-shipped.json
 
 Three systems run 1 prefill + 1 decode vLLM engine (CPU build) of the offline tiny model each, KV
 moved over NIXL, and are driven with the same load: `--streams` concurrent streaming requests
@@ -22,9 +25,10 @@ prompts (new ones every round, the same set for every system within a round):
 * C — Ray Serve LLM's P/D app (`ray.serve.llm.build_pd_openai_app`), configured for this CPU
   machine as measured for this project, deployed into the same Ray cluster as a
   second Serve application on `/raylm` (ingress → decode replica → prefill replica).
-  `--mode direct` starts Ray with `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1` and
-  `RAY_SERVE_ENABLE_HA_PROXY=1`, which changes Serve's proxy for *every* application on the
-  cluster, so it is a separate run (its A, if measured, is labelled as such).
+  The cluster's Serve settings apply to A and C alike, so each mode is a separate run:
+  `--mode direct` starts Ray with Serve's fast path (`RAY_SERVE_ENABLE_HA_PROXY=1`,
+  `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, as `make run` does) and `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1`;
+  `--mode shipped` starts it with Serve's defaults (both switched off).
 
 Rounds are interleaved (A, B, C, A, B, C, ...) after one unmeasured warm-up round per system;
 all three systems are up at once (6 engines, ~16 GB). After the rounds, `--sequential` single
@@ -68,7 +72,12 @@ MODEL = "tiny-qwen2"
 BASE_URL = "http://127.0.0.1:8000"
 RAYLM_PREFIX = "/raylm"
 KV_BYTES = 64 << 20
-DIRECT_ENV = {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+MODE_ENV = {
+    "direct": {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+               "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
+    "shipped": {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0",
+                "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
+}
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 WORDS = ("model token request prefill decode cache memory engine router latency throughput batch "
@@ -329,12 +338,33 @@ async def run_round(system: str, index: int, prompts: list[str], tokens: int, ct
     return rnd, results
 
 
+async def short_burst(system: str, n: int, concurrency: int, ctx: dict, timeout_s: float) -> dict:
+    """`n` distinct short prompts, 1 output token each, `concurrency` in flight: completed requests/s."""
+    prompts = prompts_for_round(f"short-{system}-{time.monotonic_ns()}", n)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, prompt: str) -> Result:
+        async with gate:
+            if system == "B":
+                P, D, tok = ctx["B"]
+                return await engine_request(P, D, f"bs-{i}-{time.monotonic_ns()}", tok.encode(prompt), 1)
+            path = "/v1/completions" if system.startswith("A") else f"{RAYLM_PREFIX}/v1/completions"
+            return await http_stream(ctx["http"], system, path, prompt, 1)
+
+    t0 = time.perf_counter()
+    results = await asyncio.wait_for(asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))), timeout_s)
+    wall = time.perf_counter() - t0
+    ok = sum(1 for r in results if r.error is None and r.tokens == 1)
+    return {"system": system, "requests": n, "ok": ok, "wall_s": wall, "req_s": ok / wall if wall > 0 else 0.0,
+            "errors": [r.error for r in results if r.error][:5]}
+
+
 async def bench(args, systems: list[str], labels: dict[str, str]) -> dict:
     import httpx
 
     ctx: dict[str, Any] = {}
     engines = []
-    out: dict[str, Any] = {"rounds": [], "hop": [], "sequential": [], "hop_sequential": []}
+    out: dict[str, Any] = {"rounds": [], "hop": [], "sequential": [], "hop_sequential": [], "short": []}
     try:
         if "B" in systems:
             from disagg.core.types import Role
@@ -353,7 +383,8 @@ async def bench(args, systems: list[str], labels: dict[str, str]) -> dict:
                 await asyncio.wait_for(e.start(), args.start_timeout)
                 log(f"B: {role.value} engine ready in {e.start_time_s:.1f} s")
             ctx["B"] = (engines[0], engines[1], engines[0].tokenizer)
-        limits = httpx.Limits(max_connections=args.streams * 2, max_keepalive_connections=args.streams * 2)
+        conns = max(args.streams, args.short_concurrency) * 2
+        limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
         ctx["http"] = httpx.AsyncClient(base_url=BASE_URL, timeout=httpx.Timeout(args.request_timeout),
                                         limits=limits)
         tail = RequestLogTail(args.request_log) if "A" in systems else None
@@ -394,6 +425,15 @@ async def bench(args, systems: list[str], labels: dict[str, str]) -> dict:
                     join_log(tail, res, k, out["hop_sequential"])
         if args.sequential:
             log(f"{args.sequential} sequential probes per system done")
+
+        # Short requests: how many requests per second each system completes (1 output token each)
+        for s in systems:
+            if args.short_requests:
+                await asyncio.sleep(args.pause)
+                burst = await short_burst(s, args.short_requests, args.short_concurrency, ctx, args.round_timeout)
+                out["short"].append(burst)
+                log(f"short requests {labels[s]}: {burst['req_s']:.0f} req/s ({burst['ok']}/{burst['requests']} ok "
+                    f"in {burst['wall_s']:.2f} s, {args.short_concurrency} at a time)")
     finally:
         if "http" in ctx:
             await ctx["http"].aclose()
@@ -442,6 +482,7 @@ def summarize(data: dict, systems: list[str], labels: dict[str, str]) -> dict:
                       "ttft_p99_ms": percentile(xs, 99) * 1e3, "n": len(xs),
                       "tok_s_median": statistics.median(p["tok_s"] for p in data["sequential"] if p["system"] == s)}
     summary["sequential"] = seq
+    summary["short"] = {b["system"]: {"label": labels[b["system"]], **b} for b in data.get("short", [])}
     return summary
 
 
@@ -464,6 +505,14 @@ def markdown(summary: dict, systems: list[str]) -> str:
                 x = seq[s]
                 lines.append(f"| {x['label']} | {x['ttft_p50_ms']:.1f} ms | {x['ttft_p99_ms']:.1f} ms | "
                              f"{x['tok_s_median']:.0f} | {x['n']} |")
+    short = summary.get("short") or {}
+    if short:
+        lines += ["", "| short requests (1 output token, {short_concurrency} at a time) | completed req/s | ok |",
+                  "| --- | --- | --- |"]
+        for s in systems:
+            if s in short:
+                x = short[s]
+                lines.append(f"| {x['label']} | {x['req_s']:.0f} | {x['ok']}/{x['requests']} |")
     for key, title in (("hop", f"A, per request at {{streams}} concurrent streams (router log joined by id)"),
                        ("hop_sequential", "A, per request, one at a time (router log joined by id)")):
         lines += _hop_table(summary.get(key) or {}, title)
@@ -490,8 +539,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "deployments" / "bench-1p1d.yaml"))
     ap.add_argument("--systems", default="A,B,C", help="comma-separated subset of A,B,C, in round order")
-    ap.add_argument("--mode", choices=("shipped", "direct"), default="shipped",
-                    help="direct: start Ray with Ray Serve LLM's direct streaming + HA proxy env vars")
+    ap.add_argument("--mode", choices=("shipped", "direct"), default="direct",
+                    help="direct: Serve's fast path (HAProxy, gRPC) + Ray Serve LLM's direct streaming; "
+                         "shipped: Serve's defaults")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--streams", type=int, default=16)
@@ -499,6 +549,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sequential", type=int, default=16,
                     help="after the rounds: this many single requests per system, one at a time, interleaved")
     ap.add_argument("--pause", type=float, default=1.0, help="seconds of idle before each round")
+    ap.add_argument("--short-requests", type=int, default=600,
+                    help="after the probes: this many 1-token requests per system, for completed requests/s (0: skip)")
+    ap.add_argument("--short-concurrency", type=int, default=32)
     ap.add_argument("--round-timeout", type=float, default=300.0)
     ap.add_argument("--request-timeout", type=float, default=240.0)
     ap.add_argument("--start-timeout", type=float, default=600.0)
@@ -509,15 +562,14 @@ def main(argv=None) -> int:
         ap.error("--systems must be a subset of A,B,C")
     if args.rounds < 1 or args.streams < 1 or args.tokens < 1:
         ap.error("--rounds, --streams and --tokens must be positive")
-    suffix = " [direct-streaming + HA proxy cluster]" if args.mode == "direct" else ""
+    suffix = " [HAProxy + gRPC cluster]" if args.mode == "direct" else " [Serve defaults]"
     labels = {"A": "A: our graph (Serve, router ingress)" + suffix,
               "B": "B: same engines in-process, no HTTP (limit)",
               "C": ("C: Ray Serve LLM P/D, direct streaming" if args.mode == "direct"
                     else "C: Ray Serve LLM P/D, as shipped")}
 
     os.environ.update(OFFLINE_ENV)  # nothing may leave the machine; the model is local
-    if args.mode == "direct":
-        os.environ.update(DIRECT_ENV)  # read by `ray start` (LocalStack) and the app builder
+    os.environ.update(MODE_ENV[args.mode])  # read by `ray start` (LocalStack) and the app builders
     run_dir = Path(os.environ.get("DISAGG_RUN_DIR", os.getcwd()))
     os.environ["DISAGG_RUN_DIR"] = str(run_dir)
 
@@ -551,7 +603,8 @@ def main(argv=None) -> int:
         log(f"stopped; engine processes left: {left or 'none'}")
 
     summary = summarize(data, systems, labels)
-    table = markdown(summary, systems).replace("{streams}", str(args.streams))
+    table = (markdown(summary, systems).replace("{streams}", str(args.streams))
+             .replace("{short_concurrency}", str(args.short_concurrency)))
     print("\n" + table + "\n", flush=True)
     if args.json:
         out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -25,7 +25,8 @@ def stack(tmp_path_factory):
         s.run_dir = run_dir
         s.provoked = UNPROVOKED.copy()  # tests that cause a failure on purpose count it here
         engines = set(engine_processes(s.stack_id))
-        instances = set(_admin_state(s.base_url)["instances"])
+        s.initial_state = _admin_state(s.base_url)  # before any test's request: what start-up did
+        instances = set(s.initial_state["instances"])
         yield s
         _assert_nothing_failed_unprovoked(s, engines, instances)
 
@@ -46,3 +47,19 @@ def _assert_nothing_failed_unprovoked(stack, engines: set[int], instances: set[s
     problems = unprovoked_failures(state["counters"], stack.provoked, engines, set(engine_processes(stack.stack_id)),
                                    instances, set(state["instances"]))
     assert not problems, "unprovoked failures during the live session: " + "; ".join(problems)
+
+
+@pytest.fixture(scope="session")
+def calibrated_file(tmp_path_factory, stack):
+    """`disagg calibrate --quick` on the CPU profile, end to end (it starts its own two engines),
+    with the serving path measured through the session's running app (`--url`)."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("calibration")
+    cmd = [sys.executable, "-m", "disagg.cli", "calibrate", "--config", str(ROOT / "deployments" / "local.yaml"),
+           "--out", str(out / "cpu-calibrated.yaml"), "--report", str(out / "report.json"), "--quick",
+           "--url", stack.base_url, "--url-requests", "8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return SimpleNamespace(path=out / "cpu-calibrated.yaml", report=out / "report.json", stdout=proc.stdout,
+                           stderr=proc.stderr)

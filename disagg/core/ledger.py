@@ -159,3 +159,42 @@ def admission_work(cm: CostModel, prefill_id: str, decode_id: str, prompt_tokens
     prefill_s = cm.for_instance(prefill_id).prefill_s(prompt_tokens)
     decode_s = predicted_output_tokens * cm.for_instance(decode_id).decode_token_s(decode_queued + 1)
     return prefill_s, decode_s
+
+
+class AdmittedWork:
+    """An engine's own ledger of the calls it is serving, per router replica that sent them.
+
+    The engine adds a call's priced work when the call arrives and removes it when the call ends
+    (a prefill when it returns, a decode at its last token); each router reads the *other*
+    routers' totals from the engine's state (`others`) and adds its own, live, from its `Ledger`.
+    """
+
+    def __init__(self) -> None:
+        self._by_router: dict[str, list] = {}  # router id → [work seconds, calls]
+
+    def add(self, router: str, work_s: float) -> None:
+        t = self._by_router.setdefault(router, [0.0, 0])
+        t[0] += work_s
+        t[1] += 1
+
+    def remove(self, router: str, work_s: float) -> None:
+        t = self._by_router.get(router)
+        if t is None:
+            return
+        t[0] = max(0.0, t[0] - work_s)
+        t[1] -= 1
+        if t[1] <= 0:
+            del self._by_router[router]
+
+    def totals(self) -> dict[str, tuple[float, int]]:
+        return {r: (w, n) for r, (w, n) in self._by_router.items()}
+
+
+def others(totals: dict[str, tuple[float, int]], router: str) -> tuple[float, int]:
+    """(work seconds, calls) that routers other than `router` have on an engine, from its totals."""
+    work, calls = 0.0, 0
+    for r, (w, n) in totals.items():
+        if r != router:
+            work += w
+            calls += n
+    return work, calls

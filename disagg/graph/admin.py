@@ -26,8 +26,9 @@ from disagg.graph.served_model import ServedModel
 
 class Admin:
     def __init__(self, models: Mapping[str, ServedModel], registry: InstanceRegistry, ledger: Ledger,
-                 counters: Counters, alias: str | None, lam: float) -> None:
+                 counters: Counters, alias: str | None, lam: float, replica_index: int = 0) -> None:
         self.models = models
+        self.replica_index = replica_index  # policies are built for this router replica (`Policy.for_replica`)
         self.registry = registry
         self.ledger = ledger
         self.counters = counters
@@ -68,7 +69,7 @@ class Admin:
             targets = self._targets(body)
             built = []
             for m in targets:
-                policy = build_policy(name, m.cost_model, params)
+                policy = build_policy(name, m.cost_model, params).for_replica(self.replica_index)
                 if policy.simulator_only:
                     raise PolicyError(f"policy {name!r} runs in the simulator only")
                 if m.cfg.is_colocated and name != "colocated":
@@ -97,7 +98,7 @@ class Admin:
             if cm.calibrated and cm.model and cm.model != m.cfg.model.source:
                 raise CostModelError(f"{source} was calibrated for model {cm.model!r}; this app serves "
                                      f"{m.cfg.model.source!r}")
-            policy = build_policy(m.policy.name, cm, m.policy_params)
+            policy = build_policy(m.policy.name, cm, m.policy_params).for_replica(self.replica_index)
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise ApiError('body must be {"cost_model": <profile name or path>}', param="cost_model") from None
         except (CostModelError, PolicyError) as e:

@@ -19,7 +19,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from disagg.core.types import Role
-from disagg.graph.config import AppConfig, ConfigError, MultiModelConfig, PoolConfig, parse_args
+from disagg.graph.config import AppConfig, ConfigError, MultiModelConfig, PoolConfig, RouterSettings, parse_args
 from disagg.graph.engine_server import EngineServer
 from disagg.graph.router import Router
 
@@ -76,18 +76,18 @@ def build_app(args: dict) -> serve.Application:
     if isinstance(cfg, MultiModelConfig):
         pools = {m.model.served_name: _engine_pools(m.app_config(cfg.router), f"{m.deployment_prefix}-")
                  for m in cfg.models}
-        return _router(cfg.router.num_cpus).bind(None, None, cfg.model_dump(mode="json"), pools)
+        return _router(cfg.router).bind(None, None, cfg.model_dump(mode="json"), pools)
     pools = _engine_pools(cfg)
     if cfg.is_colocated:
-        return _router(cfg.router.num_cpus).bind(None, None, cfg.model_dump(mode="json"), {cfg.model.served_name: pools})
-    return _router(cfg.router.num_cpus).bind(pools[Role.PREFILL.value], pools[Role.DECODE.value],
-                                             cfg.model_dump(mode="json"))
+        return _router(cfg.router).bind(None, None, cfg.model_dump(mode="json"), {cfg.model.served_name: pools})
+    return _router(cfg.router).bind(pools[Role.PREFILL.value], pools[Role.DECODE.value], cfg.model_dump(mode="json"))
 
 
-def _router(num_cpus: float):
-    return serve.deployment(Router).options(
-        name="router",
-        num_replicas=1,
-        max_ongoing_requests=4096,
-        ray_actor_options={"num_cpus": num_cpus},
-    )
+def _router(rc: RouterSettings) -> serve.Deployment:
+    """The router deployment: `router.num_replicas` replicas, or Serve's autoscaling between bounds."""
+    opts = {"name": "router", "max_ongoing_requests": 4096, "ray_actor_options": {"num_cpus": rc.num_cpus}}
+    if rc.autoscaling:
+        opts["autoscaling_config"] = rc.autoscaling.to_serve(rc.num_replicas)
+    else:
+        opts["num_replicas"] = rc.num_replicas
+    return serve.deployment(Router).options(**opts)

@@ -123,7 +123,7 @@ def load_cost_model(source: str | dict) -> CostModel:
     return load_profile(source)
 
 
-class _RouterSettings(_Strict):
+class RouterSettings(_Strict):
     """What every router deployment takes, serving one model or several."""
 
     poll_interval_s: float = Field(default=0.05, gt=0, le=10, description="engine state poll period")
@@ -131,9 +131,12 @@ class _RouterSettings(_Strict):
     request_log: str | None = Field(default=None, description="JSON-lines file, one record per request")
     num_cpus: float = Field(default=0.1, ge=0)
     prefill_retries: int = Field(default=1, ge=0, description="other prefill instances tried after a failure")
+    num_replicas: int = Field(default=1, ge=1, description="router replicas (initial count with autoscaling); "
+                              "each sees the others' admitted work through the engines' ledgers")
+    autoscaling: AutoscalingConfig | None = Field(default=None, description="scale the routers on ongoing requests")
 
 
-class RouterConfig(_RouterSettings):
+class RouterConfig(RouterSettings):
     policy: str = Field(default="marginal_cost", description="P/D policy; 'colocated' for a colocated pool")
     policy_params: dict[str, Any] = Field(default_factory=dict)
     cost_model: str | dict[str, Any] = Field(default="cpu-tiny", description="shipped profile name, a "
@@ -245,7 +248,7 @@ class ModelEntry(_Strict):
     def _app_dict(self, router: "MultiRouterConfig") -> dict:
         policy = self.policy or ("colocated" if self.colocated is not None else "marginal_cost")
         # the shared router settings, except the request log: the multi-model router keeps one
-        shared = router.model_dump(include=set(_RouterSettings.model_fields) - {"request_log"})
+        shared = router.model_dump(include=set(RouterSettings.model_fields) - {"request_log"})
         rc = {"policy": policy, "policy_params": self.policy_params, "cost_model": self.cost_model, **shared}
         d = {"model": self.model, "engine": self.engine, "router": rc}
         for name in ("prefill", "decode", "colocated"):
@@ -254,7 +257,7 @@ class ModelEntry(_Strict):
         return d
 
 
-class MultiRouterConfig(_RouterSettings):
+class MultiRouterConfig(RouterSettings):
     alias: str = Field(default="auto", min_length=1, description="the `model` name that lets the router choose "
                        "the model by accuracy − λ·cost under the query's TTFT limit")
     lam: float = Field(default=0.0, ge=0.0, allow_inf_nan=False, description="default λ (per currency unit of "

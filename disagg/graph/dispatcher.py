@@ -69,6 +69,7 @@ class Flight:
     decision_us: float | None = None
     alias_us: float | None = None
     admitted: bool = False  # in the ledger
+    work_s: tuple[float, float] = (0.0, 0.0)  # the prefill and decode work the ledger admitted it with
     t_arrival: float | None = None
     t_first: float | None = None
     actual_prefill: str | None = None  # the instances that served it (the decision may have failed over)
@@ -105,8 +106,9 @@ class Dispatcher:
     """Runs each request through the engines; keeps the requests in flight (`flights`)."""
 
     def __init__(self, registry: InstanceRegistry, ledger: Ledger, counters: Counters, log: RequestLog,
-                 accuracy: AccuracyTable, prefill_retries: int, multi_model: bool) -> None:
+                 accuracy: AccuracyTable, prefill_retries: int, multi_model: bool, router_id: str = "") -> None:
         self.registry = registry
+        self.router_id = router_id  # this router replica: engines keep their ledger of our calls under it
         self.ledger = ledger
         self.counters = counters
         self.log = log
@@ -206,6 +208,7 @@ class Dispatcher:
         pw, dw = admission_work(m.cost_model, decision.prefill_id, decision.decode_id, p, f.predicted,
                                 self.ledger.queued(decision.decode_id))
         self.ledger.admit(f.rid, decision.prefill_id, decision.decode_id, pw, dw, p)
+        f.work_s = (pw, dw)
         self.flights[f.rid] = f
         f.admitted = True
 
@@ -221,7 +224,7 @@ class Dispatcher:
             if inst is None:
                 break
             tried.append(target)
-            call = PrefillCall(f"{f.rid}-p{attempt}", f.prompt_ids, f.sampling)
+            call = PrefillCall(f"{f.rid}-p{attempt}", f.prompt_ids, f.sampling, self.router_id, f.work_s[0])
             try:
                 reply: PrefillReply = await m.handles[Role.PREFILL].prefill.remote(call, replica=inst.replica)
             except asyncio.CancelledError:
@@ -253,7 +256,8 @@ class Dispatcher:
             inst = self.registry.get(target)
             if inst is None:
                 continue
-            call = DecodeCall(f"{f.rid}-d{n}", f.prompt_ids, f.sampling, kv if n == 0 else None)
+            call = DecodeCall(f"{f.rid}-d{n}", f.prompt_ids, f.sampling, kv if n == 0 else None, self.router_id,
+                              f.work_s[1])
             stream = m.decode_stream.decode.remote(call, replica=inst.replica)
             try:
                 first: DecodeChunk = await stream.__anext__()
@@ -332,4 +336,4 @@ class Dispatcher:
         if f.admitted:
             self.ledger.finish(f.rid)
         self.flights.pop(f.rid, None)
-        self.log.write(request_record(f, error, time.monotonic(), self.multi_model))
+        self.log.write(request_record(f, error, time.monotonic(), self.multi_model, self.router_id))

@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator, Awaitable
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from disagg.core.ledger import AdmittedWork
 from disagg.core.types import Role
 from disagg.graph.config import AppConfig
 from disagg.graph.engine import EngineSpec, VllmEngine
@@ -213,6 +214,7 @@ class EngineServer:
 
             host = ray.util.get_node_ip_address()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.admitted = AdmittedWork()  # what each router has sent here and not seen end: routers read it
         self.port = claim_port(host, cfg.engine.side_channel_ports)
         self.engine = VllmEngine(engine_spec(cfg, self.role, host, self.port.port))
         try:
@@ -226,10 +228,13 @@ class EngineServer:
             raise
 
     async def prefill(self, call: PrefillCall, replica: str | None = None) -> PrefillReply:
+        self.admitted.add(call.router, call.work_s)
         try:
             r = await self.engine.prefill(call.request_id, call.prompt_token_ids, call.sampling)
         except Exception as e:
             raise _with_cause(e) from e
+        finally:
+            self.admitted.remove(call.router, call.work_s)
         return PrefillReply(kv_transfer_params=r.kv_transfer_params, first_token_id=r.first_token_id,
                             engine_ttft_s=r.engine_ttft_s, replica=self.replica_id)
 
@@ -237,6 +242,7 @@ class EngineServer:
         first = True
         t0 = time.perf_counter()
         stream = self.engine.decode(call.request_id, call.prompt_token_ids, call.sampling, call.kv_transfer_params)
+        self.admitted.add(call.router, call.work_s)
         try:
             async for chunks in coalesce(stream, self.stream_interval_s):
                 yield DecodeChunk(
@@ -250,6 +256,8 @@ class EngineServer:
                 first = False
         except Exception as e:
             raise _with_cause(e) from e
+        finally:
+            self.admitted.remove(call.router, call.work_s)
 
     async def abort(self, request_id: str, replica: str | None = None) -> None:
         await self.engine.abort(request_id)
@@ -261,7 +269,7 @@ class EngineServer:
             kv_used_tokens=s.kv_used_tokens, kv_capacity_tokens=s.kv_capacity_tokens,
             prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
             kv_transfers_ok=s.kv_transfers_ok, kv_transfers_failed=s.kv_transfers_failed,
-            kv_received_tokens=s.kv_received_tokens)
+            kv_received_tokens=s.kv_received_tokens, admitted=self.admitted.totals())
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()

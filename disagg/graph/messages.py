@@ -12,7 +12,7 @@ Ray pickles these dataclasses across processes; they hold plain values only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from disagg.core.types import Role
@@ -25,6 +25,8 @@ class PrefillCall:
     request_id: str  # the engine-side id, unique per attempt (`<request id>-p<attempt>`)
     prompt_token_ids: list[int]  # the tokenized prompt
     sampling: dict[str, Any]  # OpenAI sampling settings (`max_tokens`, `temperature`, ...)
+    router: str = ""  # the router replica that sent it (the engine's ledger is kept per router)
+    work_s: float = 0.0  # the prefill work the router priced it at, held in the engine's ledger until it returns
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +47,8 @@ class DecodeCall:
     prompt_token_ids: list[int]  # the tokenized prompt
     sampling: dict[str, Any]  # OpenAI sampling settings (`max_tokens`, `temperature`, ...)
     kv_transfer_params: dict[str, Any] | None = None  # a `PrefillReply`'s; None: prefill locally
+    router: str = ""  # the router replica that sent it (the engine's ledger is kept per router)
+    work_s: float = 0.0  # the decode work the router priced it at, held in the engine's ledger until the end
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +77,7 @@ class EngineStateReport:
     kv_transfers_ok: int  # NIXL reads that completed (a request may need several)
     kv_transfers_failed: int  # KV transfers that failed
     kv_received_tokens: int  # prompt tokens whose KV arrived from a remote engine
+    admitted: dict[str, tuple[float, int]] = field(default_factory=dict)  # router → (work s, calls) it is serving
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe (the role as its value), for `/admin/state`."""

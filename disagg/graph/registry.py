@@ -18,8 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import Mapping
 
+from ray.serve.exceptions import DeploymentUnavailableError
+
 from disagg.core.cost_model import EngineConstants
-from disagg.core.ledger import Ledger, PolledState
+from disagg.core.ledger import Ledger, PolledState, others
 from disagg.core.types import InstanceView, Role
 from disagg.graph.config import PoolConfig
 from disagg.graph.messages import EngineStateReport
@@ -51,21 +53,23 @@ class InstanceRegistry:
     """The live instances of every served model, kept current by `poll_forever`."""
 
     def __init__(self, models: Mapping[str, ServedModel], ledger: Ledger, counters: Counters,
-                 poll_interval_s: float) -> None:
+                 poll_interval_s: float, router_id: str = "") -> None:
         self.models = models
+        self.router_id = router_id
         self.ledger = ledger
         self.counters = counters
         self.poll_interval_s = poll_interval_s
         self.instances: dict[str, Instance] = {}
         self._constants: dict[tuple, EngineConstants] = {}
+        self._warned: set[str] = set()
 
     async def poll_forever(self) -> None:
         while True:
             t0 = time.monotonic()
             try:
                 await self.poll_once()
-            except Exception:  # never let the poller die: routing would go stale silently
-                logger.exception("engine state poll failed")
+            except Exception as e:  # never let the poller die: routing would go stale silently
+                self._warn_once(f"engine state poll failed: {type(e).__name__}: {e}")
             await asyncio.sleep(max(0.0, self.poll_interval_s - (time.monotonic() - t0)))
 
     async def poll_once(self) -> None:
@@ -73,8 +77,14 @@ class InstanceRegistry:
         pools = [(m, role, h) for m in self.models.values() for role, h in m.handles.items()]
         results = await asyncio.gather(*(
             h.broadcast("state").results_async(timeout_s=POLL_TIMEOUT_S, return_exceptions=True)
-            for _, _, h in pools))
+            for _, _, h in pools), return_exceptions=True)
         for (model, role, _), reports in zip(pools, results):
+            if isinstance(reports, DeploymentUnavailableError):
+                continue  # no replica of this pool is running yet (start-up, or all replaced): nothing to see
+            if isinstance(reports, BaseException):
+                self._warn_once(f"polling {model.name}'s {role.value} pool failed: {type(reports).__name__}: "
+                                f"{reports}")
+                continue
             for r in reports:
                 if isinstance(r, EngineStateReport):  # else the replica failed or timed out this time
                     self._seen(model, role, r, now)
@@ -87,7 +97,8 @@ class InstanceRegistry:
 
     def _seen(self, model: ServedModel, role: Role, r: EngineStateReport, now: float) -> None:
         iid = f"{model.id_prefix}{role.value}-{r.replica}"
-        polled = PolledState(r.kv_used_tokens, r.kv_capacity_tokens, r.running, r.waiting)
+        others_s, others_n = others(r.admitted, self.router_id)  # what the other router replicas sent there
+        polled = PolledState(r.kv_used_tokens, r.kv_capacity_tokens, r.running, r.waiting, others_s, others_n)
         inst = self.instances.get(iid)
         if inst is None:
             self.instances[iid] = Instance(iid, role, model.name, r.replica, r, polled, now)
@@ -95,6 +106,12 @@ class InstanceRegistry:
         else:
             inst.report, inst.polled, inst.last_seen = r, polled, now
         self.ledger.polled(iid)
+
+    def _warn_once(self, message: str) -> None:
+        """A poll failure is logged the first time it happens, not 20 times a second."""
+        if message not in self._warned:
+            self._warned.add(message)
+            logger.warning("router: %s (further identical failures are not logged)", message)
 
     def get(self, instance_id: str) -> Instance | None:
         return self.instances.get(instance_id)

@@ -52,11 +52,12 @@ class RequestLog:
             f.write(line)
 
 
-def request_record(f: "Flight", error: str | None, now: float, multi_model: bool) -> dict:
+def request_record(f: "Flight", error: str | None, now: float, multi_model: bool, router: str = "") -> dict:
     """The log line of a finished request: `error` None when served, `now` the monotonic time it
-    finished; `multi_model`: also name the requested and the serving model."""
+    finished; `multi_model`: also name the requested and the serving model; `router`: the router
+    replica that routed it."""
     record = {
-        "id": f.rid, "time": time.time(), "slo_class": f.slo.value, "prompt_tokens": len(f.prompt_ids),
+        "id": f.rid, "time": time.time(), "router": router, "slo_class": f.slo.value, "prompt_tokens": len(f.prompt_ids),
         "max_tokens": f.sampling["max_tokens"], "predicted_output_tokens": f.predicted,
         "output_tokens": f.generated, "finish_reason": f.finish_reason, "error": error,
         "prefill": f.actual_prefill, "decode": f.actual_decode, "fallback": f.fallback,

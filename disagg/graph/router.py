@@ -27,11 +27,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import uuid
+from dataclasses import asdict
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from disagg.core.ledger import Ledger
@@ -48,6 +51,19 @@ from disagg.graph.request_log import Counters, RequestLog
 from disagg.graph.served_model import ServedModel
 
 fastapi_app = FastAPI(title="disagg router")
+ADMIN_TIMEOUT_S = 30.0
+
+
+def _replica_identity() -> tuple[str, int, DeploymentHandle | None]:
+    """(this router replica's id, its rank, a handle to every replica of its deployment).
+
+    Outside Serve (the router built in-process, as the tests do) there are no peers."""
+    try:
+        ctx = serve.get_replica_context()
+    except RayServeException:
+        return f"router-{uuid.uuid4().hex[:8]}", 0, None
+    rank = ctx.rank.rank if ctx.rank is not None else 0
+    return ctx.replica_id.unique_id, rank, serve.get_deployment_handle(ctx.deployment, ctx.app_name)
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -87,15 +103,19 @@ class Router:
             pools = pools or {cfg.model.served_name: {Role.PREFILL.value: prefill, Role.DECODE.value: decode}}
             self.alias, self.lam, accuracy, prices = None, 0.0, AccuracyTable(), {}
         self.default_slo = rc.default_slo
-        self.served = {name: ServedModel.build(name, view, pools[name], prices.get(name), prefixed=bool(self.alias))
+        self.router_id, rank, self._peers = _replica_identity()
+        self.served = {name: ServedModel.build(name, view, pools[name], prices.get(name), prefixed=bool(self.alias),
+                                               replica_index=rank)
                        for name, view in views.items()}
         self.ledger = Ledger()  # shared by the registry (polls, departures) and the dispatcher (admissions)
         self.counters = Counters()
-        self.registry = InstanceRegistry(self.served, self.ledger, self.counters, rc.poll_interval_s)
+        self.registry = InstanceRegistry(self.served, self.ledger, self.counters, rc.poll_interval_s, self.router_id)
         self.dispatcher = Dispatcher(self.registry, self.ledger, self.counters, RequestLog(rc.request_log),
-                                     accuracy, rc.prefill_retries, multi_model=bool(self.alias))
+                                     accuracy, rc.prefill_retries, multi_model=bool(self.alias),
+                                     router_id=self.router_id)
         self.flights = self.dispatcher.flights  # the requests in flight, for inspection
-        self.admin = Admin(self.served, self.registry, self.ledger, self.counters, self.alias, self.lam)
+        self.admin = Admin(self.served, self.registry, self.ledger, self.counters, self.alias, self.lam,
+                           replica_index=rank)
         self._poll_task = asyncio.get_running_loop().create_task(self.registry.poll_forever())
 
     async def poll_once(self) -> None:
@@ -129,23 +149,60 @@ class Router:
 
     @fastapi_app.get("/admin/state")
     async def admin_state(self) -> dict:
-        return self.admin.state()
+        """This replica's view of the engines and models; `counters` and `in_flight` summed over
+        every router replica, and `routers` with each one's."""
+        state = self.admin.state()
+        routers = {self.router_id: await self.router_summary()}
+        if self._peers is not None:
+            for reply in await self._peers.broadcast("router_summary").results_async(
+                    timeout_s=ADMIN_TIMEOUT_S, return_exceptions=True):
+                if not isinstance(reply, BaseException):
+                    routers[reply["router"]] = reply
+        state["router"], state["routers"] = self.router_id, routers
+        state["counters"] = {k: sum(r["counters"].get(k, 0) for r in routers.values()) for k in state["counters"]}
+        state["in_flight"] = sum(r["in_flight"] for r in routers.values())
+        return state
+
+    async def router_summary(self) -> dict:
+        """This replica's id, counters and requests in flight: `/admin/state` on any replica sums them."""
+        return {"router": self.router_id, "counters": asdict(self.counters), "in_flight": len(self.ledger)}
 
     @fastapi_app.post("/admin/policy")
     async def admin_policy(self, request: Request) -> Response:
         """Switch the P/D policy without restarting engines: {"name": ..., "params": {...}, "model": ...}."""
-        try:
-            return JSONResponse(self.admin.set_policy(await request.body()))
-        except ApiError as e:
-            return _error(e)
+        return await self._admin_change("set_policy", await request.body())
 
     @fastapi_app.post("/admin/cost_model")
     async def admin_cost_model(self, request: Request) -> Response:
         """Reload a model's cost model without a restart: {"cost_model": ..., "model": ...}."""
+        return await self._admin_change("set_cost_model", await request.body())
+
+    async def apply_admin(self, op: str, raw_body: bytes) -> str:
+        """Apply an admin change another router replica validated (see `_admin_change`)."""
+        getattr(self.admin, op)(raw_body)
+        return self.router_id
+
+    async def _admin_change(self, op: str, raw_body: bytes) -> Response:
+        """Validate and apply here (a 400 changes nothing anywhere), then on every router replica:
+        with several routers, one left on the old policy would route by other rules."""
         try:
-            return JSONResponse(self.admin.set_cost_model(await request.body()))
+            out = getattr(self.admin, op)(raw_body)
         except ApiError as e:
             return _error(e)
+        applied, failed = {self.router_id}, []
+        if self._peers is not None:
+            for reply in await self._peers.broadcast("apply_admin", op, raw_body).results_async(
+                    timeout_s=ADMIN_TIMEOUT_S, return_exceptions=True):
+                if isinstance(reply, BaseException):
+                    failed.append(str(reply).strip().splitlines()[-1][:300] if str(reply).strip() else repr(reply))
+                else:
+                    applied.add(reply)
+        out["routers"] = sorted(applied)
+        if failed:
+            body = ApiError(f"applied on {len(applied)} router replicas, failed on {len(failed)}: {failed}",
+                            status=500, kind="internal_error").body()
+            return JSONResponse({**body, **out}, status_code=500)
+        return JSONResponse(out)
 
     @fastapi_app.post("/admin/reset_prefix_cache")
     async def admin_reset_prefix_cache(self) -> dict:
@@ -177,7 +234,7 @@ class Router:
             await self.dispatcher.start(flight, alias_prompts)
         except ApiError as e:
             return _error(e)
-        headers = {"x-disagg-route": flight.route_header()}
+        headers = {"x-disagg-route": flight.route_header(), "x-disagg-router": self.router_id}
         if req.stream:
             return StreamingResponse(self._sse(flight), media_type="text/event-stream", headers=headers)
         try:

@@ -44,13 +44,14 @@ class ServedModel:
 
     @classmethod
     def build(cls, name: str, cfg: AppConfig, handles: dict[str, DeploymentHandle], prices: ModelPrices | None,
-              prefixed: bool) -> "ServedModel":
+              prefixed: bool, replica_index: int = 0) -> "ServedModel":
         """From the model's config and its pools' handles ({role value: handle}); loads the tokenizer.
-        `prefixed`: the app serves several models, so instance ids name the model."""
+        `prefixed`: the app serves several models, so instance ids name the model; `replica_index`:
+        this router replica's rank (its policy's tie-break seed is derived from it)."""
         cm = load_cost_model(cfg.router.cost_model)
         return cls(name=name, cfg=cfg, handles={Role(r): h for r, h in handles.items()},
                    tokenizer=_tokenizer(cfg.model.source), cost_model=cm,
-                   policy=build_policy(cfg.router.policy, cm, cfg.router.policy_params),
+                   policy=build_policy(cfg.router.policy, cm, cfg.router.policy_params).for_replica(replica_index),
                    policy_params=dict(cfg.router.policy_params), predictor=BucketMeanPredictor(),
                    id_prefix=f"{name}:" if prefixed else "", prices=prices)
 

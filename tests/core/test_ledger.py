@@ -196,3 +196,35 @@ def test_memory_is_bounded_after_many_cycles():
         assert q == 0 and kv == 0
     assert len(led._totals) == 5  # one small record per instance, none per request
     assert len(led._entries) == 0
+
+
+# --- several router replicas: the engine's ledger of calls, per router ----------------------------
+
+def test_engine_ledger_totals_per_router_and_releases_what_it_added():
+    from disagg.core.ledger import AdmittedWork
+
+    w = AdmittedWork()
+    w.add("r1", 0.5)
+    w.add("r1", 0.25)
+    w.add("r2", 2.0)
+    assert w.totals() == {"r1": (0.75, 2), "r2": (2.0, 1)}
+    w.remove("r1", 0.5)
+    w.remove("r2", 2.0)
+    w.remove("r3", 1.0)  # a call this engine never counted: ignored
+    assert w.totals() == {"r1": (0.25, 1)}
+
+
+@pytest.mark.parametrize("me, expect", [("r1", (2.5, 3)), ("r2", (1.25, 4)), ("r9", (3.25, 5))])
+def test_others_sums_every_router_but_the_asking_one(me, expect):
+    from disagg.core.ledger import others
+
+    totals = {"r1": (0.75, 2), "r2": (2.0, 1), "r3": (0.5, 2)}
+    assert others(totals, me) == (approx(expect[0]), expect[1])
+
+
+def test_view_adds_other_routers_work_to_this_routers_ledger():
+    led = Ledger()
+    _admit(led, "a", d="d0", dw=1.0)
+    polled = PolledState(kv_used_tokens=0, kv_capacity_tokens=10_000, others_backlog_s=2.0, others_queued=3)
+    v = led.view("d0", Role.DECODE, polled)
+    assert (v.backlog_s, v.queued) == (approx(3.0), 4)

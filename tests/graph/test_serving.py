@@ -53,6 +53,16 @@ def test_health_and_models(client):
     assert [m["id"] for m in models["data"]] == [MODEL]
 
 
+def test_every_decode_replica_pulled_kv_over_nixl_before_it_reported_ready(stack):
+    """The warm-up handoff: before any request, each decode engine has received a prompt's KV from a
+    prefill engine (counted per token by vLLM's connector), with no failed transfer anywhere."""
+    engines = stack.initial_state["instances"]
+    decodes = [v for v in engines.values() if v["role"] == "decode"]
+    assert len(decodes) == 2
+    assert all(v["kv_received_tokens"] > 0 and v["kv_transfers_ok"] >= 1 for v in decodes), decodes
+    assert all(v["kv_transfers_failed"] == 0 for v in engines.values()), engines
+
+
 def test_completion_with_usage_and_route_header(client):
     set_policy(client, "marginal_cost")
     r = complete(client, "The router prices every candidate", max_tokens=12, ignore_eos=True)
@@ -86,11 +96,14 @@ def test_greedy_output_is_identical_disaggregated_colocated_and_across_decode_in
     set_policy(client, "colocated")
     reference = [complete(client, prompt, max_tokens=24, ignore_eos=True) for _ in range(2)]
     set_policy(client, "round_robin")
-    disagg = [complete(client, prompt, max_tokens=24, ignore_eos=True) for _ in range(2)]
+    decodes = {k for k, v in state(client)["instances"].items() if v["role"] == "decode"}
+    disagg = []
+    # each router replica keeps its own round-robin cursor: ask until both decode instances served
+    while len(disagg) < 8 and {route(r)["served_decode"] for r in disagg} != decodes:
+        disagg.append(complete(client, prompt, max_tokens=24, ignore_eos=True))
     texts = {r.json()["choices"][0]["text"] for r in reference + disagg}
     assert len(texts) == 1
-    assert {route(r)["served_decode"] for r in disagg} == {k for k, v in state(client)["instances"].items()
-                                                          if v["role"] == "decode"}
+    assert {route(r)["served_decode"] for r in disagg} == decodes
     assert all(route(r)["served_prefill"] == route(r)["served_decode"] for r in reference)
     assert all(route(r)["served_prefill"] != route(r)["served_decode"] for r in disagg)
 
@@ -142,6 +155,21 @@ def test_policy_spreads_load_over_decode_instances(client):
     set_policy(client, "least_loaded")
     seen = {route(complete(client, f"spread {i}", max_tokens=4))["served_decode"] for i in range(8)}
     assert len(seen) == 2
+
+
+def test_two_router_replicas_both_serve_and_a_policy_switch_reaches_both(client):
+    set_policy(client, "least_loaded")
+    with httpx.Client(base_url=str(client.base_url), timeout=TIMEOUT) as c2:
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            resps = list(pool.map(lambda i: complete(c2, f"which router {i}", max_tokens=3), range(24)))
+    routers = {r.headers["x-disagg-router"] for r in resps}
+    assert len(routers) == 2, routers  # the proxy spreads requests over both replicas
+    assert {route(r)["policy"] for r in resps} == {"least_loaded"}  # the switch reached both
+    s = state(client)
+    assert set(s["routers"]) == routers
+    assert s["counters"]["served"] == sum(r["counters"]["served"] for r in s["routers"].values())
 
 
 def test_policy_switch_rejects_unknown_and_simulator_only(client):
