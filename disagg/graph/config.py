@@ -60,6 +60,9 @@ class EngineConfig(_Strict):
     warmup_timeout_s: float = Field(default=600.0, gt=0, description="bound on the warm-up handoff every replica "
                                     "completes before it reports ready (a decode engine waits for a prefill one)")
     seed: int = 0
+    stream_interval_max_s: float = Field(default=0.08, ge=0.0, le=1.0, description="under load the batching "
+                                         "interval grows with the engine's open streams (4 per base interval) up "
+                                         "to this, so the token path's message rate stays flat")
     stream_interval_s: float = Field(default=0.02, ge=0.0, le=1.0, description="after the first token, stream "
                                      "tokens in batches at most this often (0 = every token alone)")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra vLLM AsyncEngineArgs fields")
@@ -131,6 +134,8 @@ class RouterSettings(_Strict):
     request_log: str | None = Field(default=None, description="JSON-lines file, one record per request")
     num_cpus: float = Field(default=0.1, ge=0)
     prefill_retries: int = Field(default=1, ge=0, description="other prefill instances tried after a failure")
+    max_body_bytes: int = Field(default=8 << 20, gt=0, description="largest request body accepted; a larger one "
+                                "is refused with 413 before it is parsed")
     num_replicas: int = Field(default=1, ge=1, description="router replicas (initial count with autoscaling); "
                               "each sees the others' admitted work through the engines' ledgers")
     autoscaling: AutoscalingConfig | None = Field(default=None, description="scale the routers on ongoing requests")

@@ -14,6 +14,9 @@ Per request (a `Flight`), after the ingress has validated and tokenized it:
    length, and the request log gets one line with the decision and its per-term costs.
 A client that goes away cancels the in-flight prefill or decode call; Serve propagates the
 cancellation into the engine replica, where vLLM aborts the request.
+An engine that refuses the request itself (`messages.InvalidRequest`: vLLM's validation, e.g. a
+schema it cannot compile) makes it a 400 naming the field, at once: no other instance is tried, and
+no retry or failure is counted (another engine would refuse it too; the instance is healthy).
 
 The alias route (several models, a request naming the alias, `auto` by default) comes before
 step 1: every instance of every model is a candidate, each candidate's TTFT is estimated by
@@ -40,8 +43,8 @@ from disagg.core.ttft_estimator import TtftEstimateError
 from disagg.core.types import Decision, NoCapacity, RequestFeatures, Role, SloClass
 from disagg.core.utility import AccuracyTable, Choice
 from disagg.graph.instance_state import FlightFacts, instance_snapshot
-from disagg.graph.messages import DecodeCall, DecodeChunk, PrefillCall, PrefillReply
-from disagg.graph.openai_api import ApiError
+from disagg.graph.messages import DecodeCall, DecodeChunk, InvalidRequest, PrefillCall, PrefillReply
+from disagg.graph.openai_api import ApiError, openai_param
 from disagg.graph.registry import Instance, InstanceRegistry
 from disagg.graph.request_log import Counters, RequestLog, request_record
 from disagg.graph.served_model import ServedModel
@@ -98,6 +101,20 @@ def _last_line(e: BaseException | None) -> str:
     return lines[-1][:500] if lines else type(e).__name__
 
 
+def _refused(e: BaseException) -> InvalidRequest | None:
+    """The engine's `InvalidRequest` behind `e`, if that is what `e` is: Ray delivers it as a
+    `RayTaskError` that is also an `InvalidRequest`, with the original as `.cause`."""
+    for x in (getattr(e, "cause", None), e):
+        if isinstance(x, InvalidRequest):
+            return x
+    return None
+
+
+def _bad_request(f: "Flight", refused: InvalidRequest) -> ApiError:
+    param = openai_param(refused.param, f.chat)
+    return ApiError(f"{param}: {refused.message}" if param else refused.message, param=param)
+
+
 def _no_capacity(e: NoCapacity) -> ApiError:
     return ApiError(f"no capacity: {e}", status=503, kind="service_unavailable")
 
@@ -131,7 +148,10 @@ class Dispatcher:
             f.prefilled = True
             await self._first_token(f, kv)
         except ApiError as e:
-            self.counters.failed += 1
+            if e.status < 500:
+                self.counters.rejected_400 += 1  # the request's fault: no instance failed
+            else:
+                self.counters.failed += 1
             self.finish(f, error=e.message)
             raise
         except asyncio.CancelledError:
@@ -230,6 +250,8 @@ class Dispatcher:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a dead or failing prefill replica: try another, then go local
+                if (refused := _refused(e)) is not None:
+                    raise _bad_request(f, refused) from None
                 logger.warning("router: prefill of %s on %s failed: %s", f.rid, target, _last_line(e))
                 self.counters.prefill_retries += 1
                 others = [i.instance_id for i in self.registry.pool(m, Role.PREFILL) if i.instance_id not in tried]
@@ -268,10 +290,12 @@ class Dispatcher:
                 last_error = RuntimeError("decode ended without output")
                 continue
             except Exception as e:
+                stream.cancel()
+                if (refused := _refused(e)) is not None:
+                    raise _bad_request(f, refused) from None
                 logger.warning("router: decode of %s on %s failed before its first token: %s", f.rid, target,
                                _last_line(e))
                 last_error = e
-                stream.cancel()
                 self.counters.decode_retries += 1
                 if n == 0 and kv is not None:
                     f.fallback = "decode_retry_local_prefill"
@@ -326,7 +350,15 @@ class Dispatcher:
 
     async def collect(self, f: Flight) -> str:
         """The whole completion's text (its finish reason is then `f.finish_reason`)."""
-        return "".join([c.text async for c in self.chunks(f)])
+        text, _ = await self.collect_with_logprobs(f)
+        return text
+
+    async def collect_with_logprobs(self, f: Flight) -> tuple[str, list | None]:
+        """The whole completion's text and its per-token logprobs (None when not asked for)."""
+        chunks = [c async for c in self.chunks(f)]
+        asked = f.sampling.get("logprobs") is not None
+        logprobs = [lp for c in chunks for lp in c.logprobs or ()] if asked else None
+        return "".join(c.text for c in chunks), logprobs
 
     def finish(self, f: Flight, error: str | None) -> None:
         """Release the request from the ledger and log it (idempotent); `error` None when served."""

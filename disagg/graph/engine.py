@@ -36,9 +36,17 @@ What must hold
 
 Sampling dict
 -------------
-Keys: `max_tokens`, `temperature`, `top_p`, `stop` (str or list of str), `seed`, `ignore_eos`,
-`n` (only 1). Unknown keys raise `ValueError`. Missing keys take vLLM's `SamplingParams` defaults
-(note: `temperature` 1.0, i.e. not greedy; pass `temperature=0` for greedy).
+Keys: `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `frequency_penalty`,
+`presence_penalty`, `repetition_penalty`, `logit_bias` ({token id: bias}), `min_tokens`, `stop`
+(str or list of str), `stop_token_ids`, `seed`, `ignore_eos`, `logprobs` (top alternatives per output
+token; 0 = the sampled token's only), `structured_outputs` (vLLM's `StructuredOutputsParams` fields,
+e.g. `{"json": schema}` or `{"json_object": True}`), `n` (only 1). Unknown keys raise `ValueError`
+(a caller's bug). Missing keys take vLLM's `SamplingParams` defaults (note: `temperature` 1.0, i.e.
+not greedy; pass `temperature=0` for greedy). Values vLLM refuses — at `SamplingParams` or at
+admission (e.g. `stop: ""`, a schema it cannot compile, logit biases outside the vocabulary) — raise
+`messages.InvalidRequest`: a client error, the same on every engine.
+A prefill drops what only shapes the decoded tokens (`DECODE_ONLY_KEYS`): its one token is not
+output, and e.g. `min_tokens` or a stop token would keep it from publishing its KV.
 
 Pure asyncio, no Ray: this module is what the Serve engine deployment and the calibration
 benchmarks both drive. vLLM is imported lazily, in `start()`.
@@ -58,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from disagg.core.types import Role
+from disagg.graph.messages import InvalidRequest, TokenLogprob
 
 if TYPE_CHECKING:  # vLLM is heavy and only needed once an engine starts
     from vllm import SamplingParams
@@ -65,7 +74,11 @@ if TYPE_CHECKING:  # vLLM is heavy and only needed once an engine starts
 
 logger = logging.getLogger(__name__)
 
-SAMPLING_KEYS = frozenset({"max_tokens", "temperature", "top_p", "stop", "seed", "ignore_eos", "n"})
+SAMPLING_KEYS = frozenset({
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+    "repetition_penalty", "logit_bias", "min_tokens", "stop", "stop_token_ids", "seed", "ignore_eos",
+    "logprobs", "structured_outputs", "n"})
+DECODE_ONLY_KEYS = frozenset({"stop", "stop_token_ids", "min_tokens", "logprobs", "structured_outputs"})
 KV_BUFFER_DEVICES = ("cpu", "cuda")
 
 # Serialises environment mutation + EngineCore spawn across engines of one process.
@@ -143,6 +156,7 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None  # "stop" | "length" | "abort" | ... on the last chunk
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per token, when the sampling dict asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,9 +439,10 @@ class VllmEngine:
                                   max_tokens=1, stream=False, keep_stop=False)
         t0 = time.perf_counter()
         final = None
-        async for out in self._engine.generate(_engine_input(self._engine, prompt_token_ids),
-                                               params, request_id):
-            final = out
+        with _client_errors_as_invalid(sampling):
+            async for out in self._engine.generate(_engine_input(self._engine, prompt_token_ids),
+                                                   params, request_id):
+                final = out
         ttft = time.perf_counter() - t0
         if final is None or not final.outputs or not final.outputs[0].token_ids:
             raise RuntimeError(f"prefill of {request_id!r} produced no output")
@@ -447,18 +462,22 @@ class VllmEngine:
         """Stream the completion of a prompt whose KV is at `kv_transfer_params` (None: local).
 
         Closing the iterator early (or cancelling the consumer) aborts the request in vLLM.
+        Chunks carry per-token logprobs only when `sampling["logprobs"]` is set.
         """
         if not self.spec.role.serves_decode():
             raise ValueError(f"engine role {self.spec.role.value!r} does not serve decode")
         params = _sampling_params(sampling, kv_transfer_params=kv_transfer_params,
                                   max_tokens=None, stream=True, keep_stop=True)
+        top_n = sampling.get("logprobs")
         gen = self._engine.generate(_engine_input(self._engine, prompt_token_ids), params,
                                    request_id)
         try:
-            async for out in gen:
-                for c in out.outputs:  # n == 1: one completion
-                    if c.token_ids or c.text or c.finish_reason:
-                        yield TokenChunk(tuple(c.token_ids), c.text, c.finish_reason)
+            with _client_errors_as_invalid(sampling):
+                async for out in gen:
+                    for c in out.outputs:  # n == 1: one completion
+                        if c.token_ids or c.text or c.finish_reason:
+                            lps = None if top_n is None else _token_logprobs(c.token_ids, c.logprobs, top_n)
+                            yield TokenChunk(tuple(c.token_ids), c.text, c.finish_reason, lps)
         finally:
             await gen.aclose()  # no-op when finished; aborts in vLLM when we stopped early
 
@@ -549,9 +568,12 @@ def _engine_input(llm: AsyncLLM, prompt_token_ids: Sequence[int]) -> Any:
 
 def _sampling_params(sampling: Mapping[str, Any], *, kv_transfer_params: Mapping[str, Any] | None,
                      max_tokens: int | None, stream: bool, keep_stop: bool) -> SamplingParams:
-    """Translate the seam's sampling dict into vLLM SamplingParams (see module docstring)."""
+    """Translate the seam's sampling dict into vLLM SamplingParams (see module docstring).
+
+    `keep_stop=False` (a prefill): drop `DECODE_ONLY_KEYS`."""
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.exceptions import VLLMClientError
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     unknown = set(sampling) - SAMPLING_KEYS
     if unknown:
@@ -560,16 +582,60 @@ def _sampling_params(sampling: Mapping[str, Any], *, kv_transfer_params: Mapping
         raise ValueError(f"only n=1 is supported, got n={sampling['n']!r}")
     kw = {k: v for k, v in sampling.items() if k != "n" and v is not None}
     if not keep_stop:
-        kw.pop("stop", None)  # a 1-token prefill must not stop on a string
+        for k in DECODE_ONLY_KEYS:  # a 1-token prefill must not stop early, and its token is not output
+            kw.pop(k, None)
     if max_tokens is not None:
         kw["max_tokens"] = max_tokens
     extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
-    return SamplingParams(
-        **kw,
-        n=1,
-        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-        extra_args=extra,
-    )
+    try:
+        if "structured_outputs" in kw:
+            kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
+        return SamplingParams(
+            **kw,
+            n=1,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            extra_args=extra,
+        )
+    except (VLLMClientError, ValueError, TypeError) as e:  # vLLM's own validation: the request's fault
+        raise InvalidRequest(str(e), _param_of(e, kw)) from e
+
+
+def _param_of(e: Exception, sampling: Mapping[str, Any]) -> str | None:
+    """The sampling key a vLLM validation error is about: its `parameter`, else the key it names."""
+    named = getattr(e, "parameter", None)
+    if named:
+        return "structured_outputs" if named.startswith("structured_outputs") else named
+    text = str(e)
+    keys = sorted(sampling, key=len, reverse=True)  # `stop_token_ids` before `stop`
+    for key in [k for k in keys if text.startswith(k)] + [k for k in keys if k in text]:
+        return key
+    if "structured_outputs" in sampling and any(w in text.lower() for w in ("schema", "grammar", "json")):
+        return "structured_outputs"
+    return None
+
+
+@contextmanager
+def _client_errors_as_invalid(sampling: Mapping[str, Any]):
+    """vLLM's client errors (`VLLMClientError`, raised at admission: logprobs, logit_bias, schemas)
+    become `InvalidRequest`; anything else (an engine fault) passes unchanged."""
+    from vllm.exceptions import VLLMClientError
+
+    try:
+        yield
+    except VLLMClientError as e:
+        raise InvalidRequest(str(e), _param_of(e, sampling)) from e
+
+
+def _token_logprobs(token_ids: Sequence[int], logprobs: Any, top_n: int) -> tuple[TokenLogprob, ...]:
+    """vLLM's per-position {token id: Logprob} (the sampled token and the top `top_n` by rank) as records."""
+    out = []
+    for tid, step in zip(token_ids, logprobs or ()):
+        sampled = step[tid]
+        top = sorted((lp for lp in step.values() if lp.rank is not None and lp.rank <= top_n),
+                     key=lambda lp: lp.rank)
+        out.append(TokenLogprob(sampled.decoded_token or "", float(sampled.logprob),
+                                tuple((lp.decoded_token or "", float(lp.logprob)) for lp in top)))
+    return tuple(out)
 
 
 __all__ = [

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -35,7 +35,9 @@ from disagg.core.ledger import AdmittedWork
 from disagg.core.types import Role
 from disagg.graph.config import AppConfig
 from disagg.graph.engine import EngineSpec, VllmEngine
-from disagg.graph.messages import DecodeCall, DecodeChunk, EngineStateReport, PrefillCall, PrefillReply
+from disagg.graph.messages import (
+    DecodeCall, DecodeChunk, EngineStateReport, InvalidRequest, PrefillCall, PrefillReply,
+)
 from disagg.graph.ports import claim_port
 
 logger = logging.getLogger("ray.serve")
@@ -75,6 +77,13 @@ def _with_cause(e: Exception) -> RuntimeError:
     logger.exception("engine call failed")
     cause = e.__cause__ or e.__context__
     return RuntimeError(f"{type(e).__name__}: {e}" + (f" (cause: {type(cause).__name__}: {cause})" if cause else ""))
+
+
+def _joined_logprobs(chunks: list) -> tuple | None:
+    """The coalesced chunks' per-token logprobs in order; None (no cost) when none were asked for."""
+    if chunks[0].logprobs is None:
+        return None
+    return tuple(lp for c in chunks for lp in c.logprobs or ())
 
 
 async def _bounded(step: Awaitable, timeout_s: float, what: str) -> Any:
@@ -147,18 +156,19 @@ def kill_engine_children() -> None:
 
 
 _END = object()
+STREAMS_PER_INTERVAL = 4  # streams an engine batches at the base interval before the interval grows
 
 
-async def coalesce(stream: AsyncIterator, interval_s: float) -> AsyncIterator[list]:
+async def coalesce(stream: AsyncIterator, interval_s: float | Callable[[], float]) -> AsyncIterator[list]:
     """The first item at once (time to first token is sacred), then everything that arrived,
-    at most once per `interval_s`.
+    at most once per `interval_s` (a number, or a function read before every batch).
 
     Every message on the token path crosses two Serve hops (engine → router → proxy), and on a
     small machine each costs more than a decode step: batching tokens per interval, as Ray
     Serve LLM does, keeps the hops off the critical path. Closing the returned iterator closes
     `stream` (which aborts the request in vLLM).
     """
-    if interval_s <= 0:
+    if not callable(interval_s) and interval_s <= 0:
         async for item in stream:
             yield [item]
         return
@@ -184,7 +194,8 @@ async def coalesce(stream: AsyncIterator, interval_s: float) -> AsyncIterator[li
             if not first_done:
                 first_done = True
             else:
-                await asyncio.sleep(interval_s)  # let the rest of this interval's tokens arrive
+                # let the rest of this interval's tokens arrive
+                await asyncio.sleep(interval_s() if callable(interval_s) else interval_s)
                 while pending is None and not queue.empty():
                     nxt = queue.get_nowait()
                     if nxt is _END or isinstance(nxt, Exception):
@@ -207,7 +218,9 @@ class EngineServer:
         """
         cfg = AppConfig.model_validate(config)
         self.role = Role(role)
-        self.stream_interval_s = cfg.engine.stream_interval_s
+        self.stream_interval_base_s = cfg.engine.stream_interval_s
+        self.stream_interval_max_s = max(cfg.engine.stream_interval_s, cfg.engine.stream_interval_max_s)
+        self.streams = 0  # decode streams open on this replica
         host = cfg.engine.side_channel_host
         if host == "auto":
             import ray
@@ -231,6 +244,8 @@ class EngineServer:
         self.admitted.add(call.router, call.work_s)
         try:
             r = await self.engine.prefill(call.request_id, call.prompt_token_ids, call.sampling)
+        except InvalidRequest:
+            raise  # the request's fault, not this engine's: it crosses Ray as itself (the router's 400)
         except Exception as e:
             raise _with_cause(e) from e
         finally:
@@ -243,8 +258,9 @@ class EngineServer:
         t0 = time.perf_counter()
         stream = self.engine.decode(call.request_id, call.prompt_token_ids, call.sampling, call.kv_transfer_params)
         self.admitted.add(call.router, call.work_s)
+        self.streams += 1
         try:
-            async for chunks in coalesce(stream, self.stream_interval_s):
+            async for chunks in coalesce(stream, self._stream_interval_s):
                 yield DecodeChunk(
                     token_ids=tuple(t for c in chunks for t in c.token_ids),
                     text="".join(c.text for c in chunks),
@@ -252,12 +268,24 @@ class EngineServer:
                     # the first chunk names who served it, and the engine-side time to the first token
                     replica=self.replica_id if first else None,
                     engine_first_token_s=time.perf_counter() - t0 if first else None,
+                    logprobs=_joined_logprobs(chunks),
                 )
                 first = False
+        except InvalidRequest:
+            raise  # the request's fault, not this engine's: it crosses Ray as itself (the router's 400)
         except Exception as e:
             raise _with_cause(e) from e
         finally:
+            self.streams -= 1
             self.admitted.remove(call.router, call.work_s)
+
+    def _stream_interval_s(self) -> float:
+        """The batching interval of this engine's streams: `stream_interval_s` up to
+        STREAMS_PER_INTERVAL streams, then growing with their number (up to `stream_interval_max_s`),
+        so the messages the engine sends per second stay flat as load grows instead of the hops'
+        cost growing with it."""
+        grown = self.stream_interval_base_s * self.streams / STREAMS_PER_INTERVAL
+        return min(self.stream_interval_max_s, max(self.stream_interval_base_s, grown))
 
     async def abort(self, request_id: str, replica: str | None = None) -> None:
         await self.engine.abort(request_id)

@@ -11,7 +11,8 @@ where the estimate sits beside the measured TTFT):
 - a request without its first token is *queued* (FCFS, nothing computed): one whose prefill has
   started in the engine is estimated from scratch, an over-estimate of at most its prefill so far;
 - a request with its first token is *decoding*, with the tokens the router has relayed: tokens
-  are relayed in batches (`engine.stream_interval_s`, 20 ms), so it lags by at most that;
+  are relayed in batches (every `engine.stream_interval_s`, 20 ms, growing under load up to
+  `engine.stream_interval_max_s`, 80 ms), so it lags by at most that;
   its remaining output is the predicted length minus what it produced (at least one token):
   a request that will stop early (eos) is counted until it does;
 - the snapshot is taken as if at a step boundary `now`; the step in flight is not known

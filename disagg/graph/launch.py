@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -106,6 +107,11 @@ _SERVE_SHUTDOWN = f"import ray; from ray import serve; ray.init(address={RAY_ADD
 
 
 def ray_running() -> bool:
+    host, port = RAY_ADDRESS.rsplit(":", 1)
+    try:  # nothing listening: no cluster (`ray status` would retry for a minute before saying so)
+        socket.create_connection((host, int(port)), timeout=2.0).close()
+    except OSError:
+        return False
     try:
         return subprocess.run([_bin("ray"), "status", "--address", RAY_ADDRESS], env=_env(),
                               capture_output=True, timeout=60).returncode == 0

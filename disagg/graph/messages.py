@@ -6,6 +6,8 @@ keyword (`pinned_router` reads it):
 - `decode(DecodeCall)`, a stream of `DecodeChunk`s; the first one names the replica that serves it;
 - `state() -> EngineStateReport`, polled by the router's `InstanceRegistry`.
 Every reply names the replica that produced it, so the router can verify the pinning (`misrouted`).
+A call the engine refuses as invalid (vLLM's validation, e.g. a schema it cannot compile) raises
+`InvalidRequest`: the router answers 400 and does not try another instance.
 
 Ray pickles these dataclasses across processes; they hold plain values only.
 """
@@ -16,6 +18,30 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from disagg.core.types import Role
+
+
+class InvalidRequest(ValueError):
+    """The engine refused the request itself (a client error, a 400): another instance would too.
+
+    Raised by `engine.VllmEngine` and passed through the engine replica unchanged; Ray delivers it
+    to the router as a `RayTaskError` that is also an `InvalidRequest` (its `.cause` is this one).
+    `param`: the sampling-dict key at fault, when known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message, param)  # both in args: the exception pickles whole across Ray
+        self.message, self.param = message, param
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One output token's log-probability and its top alternatives (only when logprobs were asked for)."""
+
+    token: str  # the token's text
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()  # the most likely tokens at this step, by rank: (text, logprob)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +86,7 @@ class DecodeChunk:
     finish_reason: str | None  # "stop" | "length" | ... on the last chunk, else None
     replica: str | None = None  # the replica serving the decode (first chunk only)
     engine_first_token_s: float | None = None  # engine-side time from the call to this chunk (first only)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token in `token_ids`; None unless asked for
 
 
 @dataclass(frozen=True, slots=True)

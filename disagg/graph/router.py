@@ -14,6 +14,11 @@ replica) → tokens stream back through this replica to the proxy.
 - `request_log`: one JSON line per request, and the counters.
 The route decorators stay on this class: `serve.ingress` captures them when it wraps it.
 
+Before parsing: a body larger than `router.max_body_bytes` is refused with 413 as it arrives (it is
+never buffered whole). Before tokenizing: a prompt too large to fit from its size alone gets its 400
+at once (`ServedModel.too_long`); large prompts that may fit are tokenized off the event loop.
+Errors outside the routes (404 unknown path, 405 wrong method) keep the OpenAI error shape too.
+
 Several models (a `MultiModelConfig`): a request naming a model is routed within that model's
 pools; a request naming the alias (`auto` by default) is routed across every instance of every
 model whose context window holds it (see `dispatcher`). Per request, `X-TTFT-Limit-Ms` (default:
@@ -33,6 +38,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
@@ -44,7 +50,7 @@ from disagg.graph.admin import Admin
 from disagg.graph.config import AppConfig, MultiModelConfig, is_multi_model
 from disagg.graph.dispatcher import Dispatcher, Flight
 from disagg.graph.openai_api import (
-    STREAM_DONE, ApiError, completion_body, new_id, parse_request, stream_chunk, usage,
+    STREAM_DONE, ApiError, choice_logprobs, completion_body, new_id, parse_request, stream_chunk, usage,
 )
 from disagg.graph.registry import InstanceRegistry
 from disagg.graph.request_log import Counters, RequestLog
@@ -52,6 +58,36 @@ from disagg.graph.served_model import ServedModel
 
 fastapi_app = FastAPI(title="disagg router")
 ADMIN_TIMEOUT_S = 30.0
+OFF_LOOP_TOKENIZE_CHARS = 16_384  # longer prompts tokenize in a thread (~1 ms per 1,000 characters)
+
+
+@fastapi_app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """404 / 405 (and any other HTTP error outside the routes) in the OpenAI error shape."""
+    kinds = {404: "not_found_error", 405: "invalid_request_error"}
+    message = {404: f"unknown path {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+    body = ApiError(message, status=exc.status_code, kind=kinds.get(exc.status_code, "invalid_request_error")).body()
+    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+class BodyTooLarge(ApiError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request body exceeds {limit} bytes (router.max_body_bytes)", status=413)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _replica_identity() -> tuple[str, int, DeploymentHandle | None]:
@@ -103,6 +139,7 @@ class Router:
             pools = pools or {cfg.model.served_name: {Role.PREFILL.value: prefill, Role.DECODE.value: decode}}
             self.alias, self.lam, accuracy, prices = None, 0.0, AccuracyTable(), {}
         self.default_slo = rc.default_slo
+        self.max_body_bytes = rc.max_body_bytes
         self.router_id, rank, self._peers = _replica_identity()
         self.served = {name: ServedModel.build(name, view, pools[name], prices.get(name), prefixed=bool(self.alias),
                                                replica_index=rank)
@@ -213,12 +250,12 @@ class Router:
     async def _handle(self, request: Request, chat: bool) -> Response:
         self.counters.requests += 1
         try:
-            req = parse_request(await request.body(), "chat" if chat else "completion")
+            req = parse_request(await read_body(request, self.max_body_bytes), "chat" if chat else "completion")
             slo = self._slo(request)
             limit_ms = _header_number(request, "X-TTFT-Limit-Ms", minimum_exclusive=True)
             lam = _header_number(request, "X-Route-Lambda", minimum_exclusive=False)
-            targets = self._targets(req.model)
-            prompts = {m.name: self._tokenize(m, req, chat) for m in targets}
+            targets = self._may_fit(self._targets(req.model), req)
+            prompts = await self._tokenize_all(targets, req, chat)
             if req.model == self.alias:
                 targets = self._fitting(targets, req, prompts)
             model = targets[0]
@@ -238,20 +275,44 @@ class Router:
         if req.stream:
             return StreamingResponse(self._sse(flight), media_type="text/event-stream", headers=headers)
         try:
-            text = await self.dispatcher.collect(flight)
+            text, logprobs = await self.dispatcher.collect_with_logprobs(flight)
         except ApiError as e:
             return _error(e)
         body = completion_body(flight.rid, flight.model.name, text, flight.finish_reason,
-                               usage(len(flight.prompt_ids), flight.generated), chat)
+                               usage(len(flight.prompt_ids), flight.generated), chat,
+                               logprobs=choice_logprobs(logprobs, chat))
         return JSONResponse(body, headers=headers)
+
+    @staticmethod
+    def _may_fit(targets: list[ServedModel], req) -> list[ServedModel]:
+        """The targets whose context window the prompt may fit by its size alone (no tokenizing);
+        400 when none may (the alias drops the others, a named model has no others)."""
+        errors = {m.name: m.too_long(req) for m in targets}
+        fit = [m for m in targets if errors[m.name] is None]
+        if not fit:
+            raise errors[targets[0].name]
+        return fit
+
+    async def _tokenize_all(self, targets: list[ServedModel], req, chat: bool) -> dict[str, list[int]]:
+        """Each target's tokenized prompt; a long prompt in a worker thread, so the loop keeps serving
+        (the tokenizers are only read there, never reconfigured)."""
+        def run() -> dict[str, list[int]]:
+            return {m.name: self._tokenize(m, req, chat) for m in targets}
+        if req.prompt_chars > OFF_LOOP_TOKENIZE_CHARS:
+            return await asyncio.to_thread(run)
+        return run()
 
     async def _sse(self, f: Flight) -> AsyncIterator[bytes]:
         """The completion as server-sent events; a decode failing mid-stream ends it with an error event."""
         model = f.model.name
         first = True
+        offset = 0  # completions' text_offset runs across chunks
         try:
             async for c in self.dispatcher.chunks(f):
-                yield stream_chunk(f.rid, model, c.text, c.finish_reason, f.chat, first=first)
+                asked = f.sampling.get("logprobs") is not None
+                lps = choice_logprobs(c.logprobs or (), f.chat, offset) if asked else None
+                yield stream_chunk(f.rid, model, c.text, c.finish_reason, f.chat, first=first, logprobs=lps)
+                offset += sum(len(lp.token) for lp in c.logprobs or ())
                 first = False
         except ApiError as e:
             yield b"data: " + json.dumps(e.body()).encode() + b"\n\n"

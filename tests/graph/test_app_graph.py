@@ -62,6 +62,10 @@ def test_shipped_configs_validate(file):
     (lambda a: a["decode"].update(autoscaling={"min_replicas": 3, "max_replicas": 1}), "min_replicas"),
     (lambda a: a["model"].pop("served_name"), "served_name"),
     (lambda a: a["engine"].update(turbo=True), "turbo"),
+    (lambda a: a["engine"].update(side_channel_ports=[30000, 29999]), "side_channel_ports"),
+    (lambda a: a["engine"].update(side_channel_ports=[80, 90]), "side_channel_ports"),
+    (lambda a: a["engine"].update(warmup_timeout_s=0), "warmup_timeout_s"),
+    (lambda a: a["router"].update(num_replicas=0), "num_replicas"),
 ])
 def test_bad_configs_are_refused_naming_the_field(mutate, field):
     args = _args("local.yaml")
@@ -90,3 +94,30 @@ def test_a_cost_model_calibrated_for_another_model_is_refused(tmp_path):
     args["router"]["cost_model"] = str(tmp_path / "cm.yaml")
     with pytest.raises(ConfigError, match="calibrated for model 'Qwen/Qwen2.5-3B-Instruct'.*'tiny:tiny'"):
         build_app(args)
+
+
+def test_decode_replicas_get_the_prefill_pool_for_their_warm_up_handoff():
+    router, prefill, decode = _graph(_args("local.yaml"))
+    (peer,) = decode.init_args[2:]
+    assert peer._bound_deployment.name == "prefill"
+    assert prefill.init_args[2:] == ()  # a prefill replica proves itself alone: it never waits for a decode
+
+
+def test_engines_write_no_access_line_per_call_unless_asked():
+    args = _args("local.yaml")
+    _, prefill, decode = _graph(args)
+    assert not prefill._deployment_config.logging_config["enable_access_log"]
+    assert not decode._deployment_config.logging_config["enable_access_log"]
+    args["engine"]["access_log"] = True
+    _, prefill, _ = _graph(args)
+    assert prefill._deployment_config.logging_config["enable_access_log"]
+
+
+def test_router_replicas_fixed_or_autoscaled():
+    args = _args("local.yaml")
+    router, _, _ = _graph(args)
+    assert router._deployment_config.num_replicas == 2  # the CPU profile runs two routers
+    args["router"]["autoscaling"] = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 64}
+    router, _, _ = _graph(args)
+    auto = router._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (1, 4, 2)

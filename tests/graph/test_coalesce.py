@@ -64,3 +64,26 @@ def test_closing_early_closes_the_source():
         await gen.aclose()
     asyncio.run(go())
     assert closed == [True]
+
+
+def test_the_interval_is_read_before_every_batch():
+    intervals = iter([0.05] * 5 + [0.001] * 100)
+
+    async def go():
+        t0 = asyncio.get_running_loop().time()
+        out = []
+        async for batch in coalesce(ticking(60, 0.002), lambda: next(intervals)):
+            out.append((asyncio.get_running_loop().time() - t0, batch))
+        return out
+    out = asyncio.run(go())
+    assert [i for _, b in out for i in b] == list(range(60))
+    assert len(out[1][1]) >= 10  # a 50 ms interval gathers many 2 ms tokens
+
+
+@pytest.mark.parametrize("streams, expect", [(0, 0.02), (1, 0.02), (4, 0.02), (8, 0.04), (16, 0.08), (64, 0.08)])
+def test_the_engines_interval_grows_with_its_open_streams_up_to_the_cap(streams, expect):
+    from disagg.graph.engine_server import EngineServer
+
+    server = EngineServer.__new__(EngineServer)  # the interval rule alone, no engine
+    server.stream_interval_base_s, server.stream_interval_max_s, server.streams = 0.02, 0.08, streams
+    assert server._stream_interval_s() == pytest.approx(expect)

@@ -272,7 +272,7 @@ def test_roles_and_sampling_are_validated(engines: Engines):
     with pytest.raises(ValueError, match="does not serve decode"):
         engines.run(_collect(engines.P, "bad-2", ids, GREEDY, None))
     with pytest.raises(ValueError, match="unknown sampling keys"):
-        engines.run(_collect(engines.C, "bad-3", ids, {"top_k": 3}, None))
+        engines.run(_collect(engines.C, "bad-3", ids, {"best_of": 3}, None))
     with pytest.raises(ValueError, match="only n=1"):
         engines.run(engines.P.prefill("bad-4", ids, {"n": 2}))
 
@@ -340,3 +340,77 @@ def test_tiny_model_is_built_once_and_complete(tmp_path, monkeypatch):
     assert leftovers == []
     with pytest.raises(ValueError, match="allowed: tiny, small"):
         build_tiny_model(size="huge")
+
+
+# --------------------------------------------------------------------------------------------
+# Logprobs and client errors at the seam
+# --------------------------------------------------------------------------------------------
+
+async def _collect_logprobs(engine: VllmEngine, rid: str, ids: Sequence[int], sampling: dict[str, Any],
+                            kv: dict[str, Any] | None) -> list:
+    out = []
+    async for chunk in engine.decode(rid, ids, sampling, kv):
+        assert chunk.logprobs is not None and len(chunk.logprobs) == len(chunk.token_ids)
+        out.extend(chunk.logprobs)
+    return out
+
+
+@pytest.mark.stack
+def test_handoff_logprobs_match_colocated(engines: Engines):
+    """The decode engine scores every output token itself, from KV the prefill engine computed: its
+    logprobs match the colocated engine's (tokens exactly; values to bf16 precision, since the last
+    prompt token runs as a one-token step on D and inside the batched prompt on C)."""
+    sampling = {**GREEDY, "max_tokens": 12, "ignore_eos": True, "logprobs": 3}
+    for i, text in enumerate(PROMPTS[:2]):
+        ids = _ids(engines, text)
+        ref = engines.run(_collect_logprobs(engines.C, f"lp-ref-{i}", ids, sampling, None))
+        pre = engines.run(engines.P.prefill(f"lp-pd-{i}", ids, sampling))
+        got = engines.run(_collect_logprobs(engines.D, f"lp-pd-{i}", ids, sampling, pre.kv_transfer_params))
+        assert [g.token for g in got] == [r.token for r in ref]
+        # greedy: no alternative is more likely than the sampled token (bf16 logits tie often on the
+        # tiny model, so the sampled token may share rank 1 with another)
+        assert all(len(g.top) == 3 and g.token in dict(g.top) and g.logprob == max(lp for _, lp in g.top)
+                   for g in got)
+        for g, r in zip(got, ref):
+            assert g.logprob == pytest.approx(r.logprob, abs=0.05)
+    plain = engines.run(_collect(engines.C, "lp-none", _ids(engines, PROMPTS[0]), {**GREEDY, "max_tokens": 2}, None))
+    assert len(plain[0]) == 2
+
+
+@pytest.mark.stack
+def test_values_vllm_refuses_raise_invalid_request(engines: Engines):
+    from disagg.graph.messages import InvalidRequest
+
+    ids = _ids(engines, PROMPTS[0])
+    for sampling, param in [({"stop": ""}, "stop"), ({"top_k": -5}, "top_k"), ({"logprobs": 10_000}, "logprobs"),
+                            ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs")]:
+        with pytest.raises(InvalidRequest) as e:
+            engines.run(_collect(engines.C, f"inv-{param}", ids, {**GREEDY, "max_tokens": 2, **sampling}, None))
+        assert e.value.param == param, (sampling, e.value.message)
+    # a prefill ignores what only shapes the decoded tokens: it still publishes its KV
+    pre = engines.run(engines.P.prefill("inv-pre", ids, {**GREEDY, "min_tokens": 5, "stop_token_ids": [1],
+                                                         "structured_outputs": {"json_object": True}}))
+    assert pre.kv_transfer_params
+
+
+def test_sampling_translation_classifies_refused_values_and_trims_the_prefill():
+    pytest.importorskip("vllm")
+    from disagg.graph.engine import _sampling_params
+    from disagg.graph.messages import InvalidRequest
+
+    for sampling, param in [({"stop": ""}, "stop"), ({"top_k": -5}, "top_k"), ({"min_p": 2.0}, "min_p"),
+                            ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+                            ({"structured_outputs": {"json": {}, "json_object": True}}, "structured_outputs")]:
+        with pytest.raises(InvalidRequest) as e:
+            _sampling_params({"max_tokens": 4, **sampling}, kv_transfer_params=None, max_tokens=None, stream=True,
+                             keep_stop=True)
+        assert e.value.param == param, (sampling, e.value.message)
+    with pytest.raises(ValueError, match="unknown sampling keys"):  # a caller's bug, not a client error
+        _sampling_params({"best_of": 2}, kv_transfer_params=None, max_tokens=None, stream=True, keep_stop=True)
+    full = {"max_tokens": 8, "min_tokens": 8, "stop": "x", "stop_token_ids": [3], "logprobs": 2, "top_k": 4,
+            "structured_outputs": {"json_object": True}, "logit_bias": {5: -100.0}}
+    pre = _sampling_params(full, kv_transfer_params={"do_remote_decode": True}, max_tokens=1, stream=False,
+                           keep_stop=False)
+    assert (pre.max_tokens, pre.min_tokens, pre.stop, pre.logprobs, pre.structured_outputs) == (1, 0, [], None, None)
+    dec = _sampling_params(full, kv_transfer_params=None, max_tokens=None, stream=True, keep_stop=True)
+    assert (dec.min_tokens, dec.logprobs, dec.top_k, dec.structured_outputs.json_object) == (8, 2, 4, True)

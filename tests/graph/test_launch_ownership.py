@@ -4,6 +4,8 @@ import os
 import subprocess
 import time
 
+import pytest
+
 from disagg.graph.launch import STACK_ID_VAR, engine_processes, stack_engines_left
 
 
@@ -30,3 +32,19 @@ def test_engines_are_told_apart_by_the_stack_that_started_them():
         for p in (ours, theirs, unmarked):
             p.kill()
             p.wait(timeout=10)
+
+
+def test_no_cluster_is_known_at_once_without_waiting_for_ray_status(monkeypatch):
+    import socket
+    import time
+
+    from disagg.graph import launch
+
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(launch, "RAY_ADDRESS", f"127.0.0.1:{port}")
+    monkeypatch.setattr(launch.subprocess, "run", lambda *a, **k: pytest.fail("ray status must not run"))
+    t0 = time.monotonic()
+    assert launch.ray_running() is False
+    assert time.monotonic() - t0 < 2.0

@@ -55,3 +55,33 @@ def test_stream_chunks_are_sse_json():
     assert body["choices"][0]["delta"] == {"content": "hi", "role": "assistant"}
     u = json.loads(stream_chunk("id1", "m", "", None, chat=False, usage=usage(3, 4))[6:])
     assert u["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7} and u["choices"] == []
+
+
+@pytest.mark.parametrize("body, kind, param", [
+    ({"model": "m", "prompt": "x", "tools": []}, "completion", "tools"),
+    ({"model": "m", "prompt": "x", "echo": True}, "completion", "echo"),
+    ({"model": "m", "prompt": "x", "top_k": 1.5}, "completion", "top_k"),
+    ({"model": "m", "prompt": "x", "frequency_penalty": -2.5}, "completion", "frequency_penalty"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, "completion", "logit_bias"),
+    ({"model": "m", "prompt": "x", "logprobs": 21}, "completion", "logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "chat", "top_logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "chat", "logprobs"),
+    ({"model": "m", "prompt": "x", "response_format": {"type": "json_schema"}}, "completion", "response_format"),
+])
+def test_the_wider_surface_is_validated(body, kind, param):
+    with pytest.raises(ApiError) as e:
+        parse(body, kind)
+    assert e.value.status == 400 and e.value.param == param
+
+
+@pytest.mark.parametrize("raw", [b'{"model": "m", "prompt": "x", "top_p": NaN}', b"[" * 100_000 + b"]" * 100_000])
+def test_pathological_json_is_a_400(raw):
+    with pytest.raises(ApiError) as e:
+        parse_request(raw, "completion")
+    assert e.value.status == 400 and e.value.param is None
+
+
+def test_no_op_fields_are_accepted_and_not_passed_on():
+    req = parse({"model": "m", "prompt": "x", "user": "u", "metadata": {"k": "v"}, "store": True,
+                 "service_tier": "auto"})
+    assert set(req.sampling(default_max_tokens=5)) == {"max_tokens", "temperature", "top_p", "ignore_eos"}

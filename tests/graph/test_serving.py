@@ -195,6 +195,24 @@ BAD = [
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode(), "messages"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "x", "content": "y"}]}).encode(),
      "messages.0.role"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "stop": ""}).encode(), "stop"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "echo": True}).encode(), "echo"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "best_of": 2}).encode(), "best_of"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "y"}],
+                                         "tools": [{"type": "function"}]}).encode(), "tools"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "top_k": -2}).encode(), "top_k"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "logprobs": 21}).encode(), "logprobs"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}).encode(),
+     "logit_bias"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}).encode(),
+     "presence_penalty"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "y"}],
+                                         "top_logprobs": 2}).encode(), "top_logprobs"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "y"}],
+                                         "response_format": {"type": "xml"}}).encode(), "response_format.type"),
+    ("/v1/completions", b'{"model": "tiny-qwen2", "prompt": "x", "temperature": NaN}', None),
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, None),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "word " * 1_000_000}).encode(), "prompt"),
 ]
 
 
@@ -263,3 +281,118 @@ def test_router_reloads_a_calibrated_cost_model_without_restart(client, calibrat
     r = client.post("/admin/cost_model", json={"cost_model": str(tmp_path / "units.yaml")})
     assert r.status_code == 400 and "decode" in r.json()["error"]["message"]
     assert state(client)["cost_model"] == cm.name  # the refused files changed nothing
+
+
+# --- the OpenAI surface on the real engines --------------------------------------------------------
+
+def _counters(client) -> dict:
+    return state(client)["counters"]
+
+
+def test_engine_validation_errors_are_400s_never_retried_nor_counted_as_failures(client):
+    """A schema only the engine can judge (xgrammar refuses it): a 400 naming `response_format`, not a 503
+    after trying both decode engines; no retry, fallback or failure is counted."""
+    set_policy(client, "marginal_cost")
+    before = _counters(client)
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "nonsense"}}}
+    for body, path in [({"model": MODEL, "prompt": "x", "max_tokens": 4, "response_format": bad_schema},
+                        "/v1/completions"),
+                       ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                         "response_format": bad_schema}, "/v1/chat/completions")]:
+        t0 = time.monotonic()
+        r = client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == "response_format", err
+        assert time.monotonic() - t0 < 10
+    after = _counters(client)
+    for k in ("prefill_retries", "decode_retries", "failed", "local_prefill_fallbacks"):
+        assert after[k] == before[k], (k, before, after)
+    assert complete(client, "still serving", max_tokens=3, ignore_eos=True).json()["usage"]["completion_tokens"] == 3
+
+
+def test_oversize_prompt_is_refused_fast(client):
+    t0 = time.monotonic()
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "word " * 1_000_000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert time.monotonic() - t0 < 2.0  # 5 MB over loopback included; the router's own part is < 100 ms
+    r = client.post("/v1/completions", content=b"x" * (9 << 20), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["param"] is None
+
+
+def test_unknown_path_and_wrong_method_answer_in_the_openai_shape(client):
+    r = client.post("/v1/nope", json={})
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def _greedy_logprobs(client, chat: bool) -> tuple[list, dict]:
+    prompt = "Logprobs must not depend on where the KV cache was computed:"
+    if chat:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 12,
+                "temperature": 0.0, "ignore_eos": True, "logprobs": True, "top_logprobs": 3}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        return [(c["token"], c["logprob"], {t["token"]: t["logprob"] for t in c["top_logprobs"]})
+                for c in content], route(r)
+    r = complete(client, prompt, max_tokens=12, ignore_eos=True, logprobs=3)
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 12 and lp["text_offset"][0] == 0
+    return [(t, v, dict(top)) for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])], route(r)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_greedy_logprobs_are_the_same_disaggregated_and_colocated(client, chat):
+    """The decode engine samples (and scores) every output token itself, the first included, from the KV
+    the prefill engine computed: the logprobs match a colocated engine's. bf16 on CPU: the last prompt
+    token's attention runs as a one-token step on the decode engine and inside the batched prompt on the
+    colocated one, so values agree to bf16 precision, the tokens exactly."""
+    set_policy(client, "colocated")
+    ref, rt = _greedy_logprobs(client, chat)
+    assert rt["served_prefill"] == rt["served_decode"]
+    set_policy(client, "round_robin")
+    got, rt = _greedy_logprobs(client, chat)
+    assert rt["served_prefill"] != rt["served_decode"]
+    assert [t for t, _, _ in got] == [t for t, _, _ in ref]
+    # greedy: no alternative is more likely than the sampled token (bf16 logits of the tiny model tie
+    # often, so another token may share the top rank)
+    assert all(t in top and v == max(top.values()) for t, v, top in got), got
+    for (_, v, _), (_, w, _) in zip(got, ref):
+        assert v <= 0 and v == pytest.approx(w, abs=0.05), (got, ref)
+
+
+def test_streamed_logprobs_match_the_whole_response(client):
+    set_policy(client, "round_robin")
+    body = {"model": MODEL, "prompt": "stream my logprobs", "max_tokens": 10, "temperature": 0.0,
+            "ignore_eos": True, "logprobs": 2}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    tokens, offsets = [], []
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                if choices and choices[0]["logprobs"]:
+                    tokens += choices[0]["logprobs"]["tokens"]
+                    offsets += choices[0]["logprobs"]["text_offset"]
+    assert tokens == whole["tokens"] and offsets == whole["text_offset"]
+
+
+def test_structured_output_and_sampling_fields_are_served(client):
+    set_policy(client, "marginal_cost")
+    schema = {"type": "object", "properties": {"a": {"type": "string", "enum": ["x", "y"]}}, "required": ["a"],
+              "additionalProperties": False}
+    r = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "answer in JSON"}], "max_tokens": 64,
+        "temperature": 0.0, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        "user": "someone", "metadata": {"k": "v"}, "store": False})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"].lstrip().startswith("{")
+    if choice["finish_reason"] == "stop":
+        assert json.loads(choice["message"]["content"])["a"] in ("x", "y")
+    r = complete(client, "sampling knobs", max_tokens=8, top_k=5, min_p=0.1, frequency_penalty=0.5,
+                 presence_penalty=0.5, repetition_penalty=1.2, logit_bias={"5": -100}, min_tokens=8,
+                 stop_token_ids=[3], seed=7)
+    assert r.json()["usage"]["completion_tokens"] == 8  # min_tokens = max_tokens: exactly 8
