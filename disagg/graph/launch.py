@@ -106,11 +106,18 @@ RAY_ADDRESS = "127.0.0.1:6379"
 _SERVE_SHUTDOWN = f"import ray; from ray import serve; ray.init(address={RAY_ADDRESS!r}); serve.shutdown()"
 
 
-def ray_running() -> bool:
+def gcs_listening() -> bool:
+    """Something accepts connections at the cluster address (cheap: no Ray client started)."""
     host, port = RAY_ADDRESS.rsplit(":", 1)
-    try:  # nothing listening: no cluster (`ray status` would retry for a minute before saying so)
+    try:
         socket.create_connection((host, int(port)), timeout=2.0).close()
     except OSError:
+        return False
+    return True
+
+
+def ray_running() -> bool:
+    if not gcs_listening():  # no cluster (`ray status` would retry for a minute before saying so)
         return False
     try:
         return subprocess.run([_bin("ray"), "status", "--address", RAY_ADDRESS], env=_env(),
@@ -248,7 +255,7 @@ class LocalStack:
         raise TimeoutError(f"the app at {base_url} was not healthy within {timeout_s:.0f} s "
                            f"(last answer: {last})")
 
-    def stop(self, timeout_s: float = 120.0) -> None:
+    def stop(self, timeout_s: float = 60.0) -> None:
         """Tear everything down; a second Ctrl-C during teardown is ignored, or engines would leak."""
         if threading.current_thread() is not threading.main_thread():
             return self._stop(timeout_s)
@@ -260,27 +267,45 @@ class LocalStack:
                 signal.signal(sig, handler)
 
     def _stop(self, timeout_s: float) -> None:
+        """Within `timeout_s`: serve shutdown, the engines' own exit, then SIGTERM and SIGKILL for
+        the ones left (orphans would hold NIXL ports and memory), then `ray stop`. Each step gets a
+        share of the budget, so a cluster that vanished or hangs cannot hold the stop up."""
         if not self.deployed:  # nothing of ours runs: never touch another cluster's apps
             return
         self.deployed = False
+        deadline = time.monotonic() + timeout_s
+        left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
         if ray_running():
             try:
                 subprocess.run([sys.executable, "-c", _SERVE_SHUTDOWN], env=_env(), capture_output=True,
-                               timeout=180)
+                               timeout=left() * 0.5)
             except subprocess.TimeoutExpired:
                 self.log("serve shutdown timed out; stopping engines and Ray anyway")
+        else:
+            self.log("Ray is gone; stopping the engines it left")
         if self.stack_id is None:  # a cluster started by hand: its engines are not ours to kill
             return
-        deadline = time.monotonic() + timeout_s
-        while engine_processes(self.stack_id) and time.monotonic() < deadline:
-            time.sleep(1.0)
-        for pid in engine_processes(self.stack_id):  # orphans would hold NIXL ports and memory
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        graceful = deadline - 0.4 * timeout_s  # leave time for SIGTERM, SIGKILL and ray stop
+        while engine_processes(self.stack_id) and time.monotonic() < graceful:
+            time.sleep(0.5)
+        for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+            pids = engine_processes(self.stack_id)
+            if not pids:
+                break
+            self.log(f"{len(pids)} engine processes still alive: {sig.name}")
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            until = time.monotonic() + wait_s
+            while engine_processes(self.stack_id) and time.monotonic() < until:
+                time.sleep(0.2)
         if self.started_ray:
-            subprocess.run([_bin("ray"), "stop", "--force"], env=_env(), capture_output=True, timeout=180)
+            try:
+                subprocess.run([_bin("ray"), "stop", "--force"], env=_env(), capture_output=True, timeout=left())
+            except subprocess.TimeoutExpired:
+                self.log("ray stop timed out")
             self.started_ray = False
 
 
@@ -312,8 +337,9 @@ Serving on {url} (Ray dashboard: http://127.0.0.1:8265). Try:
 
 Ctrl-C stops everything this command started.""", flush=True)
         try:
-            while True:
-                time.sleep(3600)
+            while gcs_listening():  # Ray stopped underneath (`ray stop`): clean up what it left, and exit
+                time.sleep(5.0)
+            print("\nRay has stopped; cleaning up ...", flush=True)
         except KeyboardInterrupt:
             print("\nstopping ...", flush=True)
     return 0

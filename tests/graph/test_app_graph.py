@@ -121,3 +121,21 @@ def test_router_replicas_fixed_or_autoscaled():
     router, _, _ = _graph(args)
     auto = router._deployment_config.autoscaling_config
     assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (1, 4, 2)
+
+
+def test_cluster_yaml_holds_the_production_graph():
+    """cluster.yaml (the Ray cluster launcher's file) gives disagg.yaml's engines a GPU each at their
+    widest, installs the GPU extra on every node and starts Ray with Serve's fast path."""
+    cluster = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    types = cluster["available_node_types"]
+    gpus = sum(t["resources"].get("GPU", 0) * t.get("max_workers", 1)
+               for name, t in types.items() if name != cluster["head_node_type"])
+    (_, cfg), = load_serve_config(ROOT / "deployments" / "disagg.yaml")
+    widest = sum((p.autoscaling.max_replicas if p.autoscaling else p.num_replicas) * p.num_gpus
+                 for p in cfg.pools().values())
+    assert gpus >= widest == 8
+    assert types[cluster["head_node_type"]]["resources"]["GPU"] == 0  # GPUs only where engines run
+    assert any('".[gpu' in c for c in cluster["setup_commands"])
+    for cmds in (cluster["head_start_ray_commands"], cluster["worker_start_ray_commands"]):
+        start = next(c for c in cmds if "ray start" in c)
+        assert "RAY_SERVE_ENABLE_HA_PROXY=1" in start and "RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in start

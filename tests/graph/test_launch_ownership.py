@@ -48,3 +48,30 @@ def test_no_cluster_is_known_at_once_without_waiting_for_ray_status(monkeypatch)
     t0 = time.monotonic()
     assert launch.ray_running() is False
     assert time.monotonic() - t0 < 2.0
+
+
+def test_stop_after_ray_vanished_kills_engines_that_ignore_sigterm_within_the_budget(monkeypatch):
+    """Ray gone (`ray stop --force` under `make run`): the engines it orphaned are ours to stop, and
+    the stop ends within its budget even when they ignore SIGTERM."""
+    from disagg.graph import launch
+
+    env = {**{k: v for k, v in os.environ.items() if k != STACK_ID_VAR}, STACK_ID_VAR: "stack-stop"}
+    stubborn = subprocess.Popen(["bash", "-c", "trap '' TERM; exec -a VLLM::EngineCore sleep 60"], env=env)
+    other = fake_engine("stack-other")
+    try:
+        deadline = time.monotonic() + 10
+        while stubborn.pid not in engine_processes("stack-stop"):
+            assert time.monotonic() < deadline, "the fake engine did not show up in ps"
+            time.sleep(0.05)
+        monkeypatch.setattr(launch, "ray_running", lambda: False)
+        stack = launch.LocalStack.__new__(launch.LocalStack)
+        stack.deployed, stack.stack_id, stack.started_ray, stack.log = True, "stack-stop", False, lambda m: None
+        t0 = time.monotonic()
+        stack.stop(timeout_s=10.0)
+        assert time.monotonic() - t0 < 12.0
+        assert stubborn.wait(timeout=5) == -9  # SIGKILL, after SIGTERM was ignored
+        assert other.poll() is None  # another stack's engine is left alone
+    finally:
+        for p in (stubborn, other):
+            p.kill()
+            p.wait(timeout=10)
