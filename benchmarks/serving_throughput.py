@@ -513,7 +513,7 @@ def markdown(summary: dict, systems: list[str]) -> str:
             if s in short:
                 x = short[s]
                 lines.append(f"| {x['label']} | {x['req_s']:.0f} | {x['ok']}/{x['requests']} |")
-    for key, title in (("hop", f"A, per request at {{streams}} concurrent streams (router log joined by id)"),
+    for key, title in (("hop", "A, per request at {streams} concurrent streams (router log joined by id)"),
                        ("hop_sequential", "A, per request, one at a time (router log joined by id)")):
         lines += _hop_table(summary.get(key) or {}, title)
     return "\n".join(lines)

@@ -112,3 +112,25 @@ def make_request(
         slo_class=slo_class,
         true_output_tokens=true_output_tokens,
     )
+
+
+# --- stand-in engine pools for the router run in-process (tests/graph) -------------------------------
+
+class BroadcastResults:
+    """What a pool handle's `broadcast(...)` returns: the replies, fetched with `results_async`."""
+
+    def __init__(self, value: list) -> None:
+        self.value = value
+
+    async def results_async(self, timeout_s: float | None = None, return_exceptions: bool = False) -> list:
+        return self.value
+
+
+def idle_state(replica: str, role: Role | str, admitted: dict | None = None):
+    """An engine's state report with nothing running and a 64k-token KV cache."""
+    from disagg.graph.messages import EngineStateReport
+
+    return EngineStateReport(replica=replica, role=Role(role), running=0, waiting=0, kv_used_tokens=0,
+                             kv_capacity_tokens=65536, prefix_cache_hits=0, prefix_cache_queries=0,
+                             kv_transfers_ok=0, kv_transfers_failed=0, kv_received_tokens=0,
+                             admitted=admitted or {})

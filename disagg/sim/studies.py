@@ -15,7 +15,6 @@ Unless `--rate` is given, the rate is the saturation rate of the base topology (
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from disagg.core.cost_model import CostModel, load_profile

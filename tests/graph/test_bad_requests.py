@@ -26,8 +26,8 @@ pytest.importorskip("ray.serve")
 from ray.exceptions import RayTaskError  # noqa: E402
 from starlette.requests import Request  # noqa: E402
 
-from disagg.core.types import Role  # noqa: E402
-from disagg.graph.messages import DecodeChunk, EngineStateReport, InvalidRequest, PrefillReply, TokenLogprob  # noqa: E402
+from disagg.graph.messages import DecodeChunk, InvalidRequest, PrefillReply, TokenLogprob  # noqa: E402
+from factories import BroadcastResults, idle_state  # noqa: E402
 from disagg.graph.router import Router, fastapi_app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,14 +37,6 @@ N_GENERATED = 1200
 
 
 # --- stand-in engines ------------------------------------------------------------------------------
-
-class _Results:
-    def __init__(self, value):
-        self.value = value
-
-    async def results_async(self, timeout_s=None, return_exceptions=False):
-        return self.value
-
 
 def _ray_error(cause: Exception) -> Exception:
     """What a replica's exception looks like to the caller: a RayTaskError that is also the cause."""
@@ -89,10 +81,7 @@ class _Pool:
         self.calls: list[tuple[str, str, dict]] = []
 
     def broadcast(self, method):
-        return _Results([EngineStateReport(replica=r, role=Role(self.role), running=0, waiting=0, kv_used_tokens=0,
-                                           kv_capacity_tokens=65536, prefix_cache_hits=0, prefix_cache_queries=0,
-                                           kv_transfers_ok=0, kv_transfers_failed=0, kv_received_tokens=0)
-                         for r in self.ids])
+        return BroadcastResults([idle_state(r, self.role) for r in self.ids])
 
     def options(self, **kw):
         return self

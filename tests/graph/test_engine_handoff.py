@@ -18,7 +18,6 @@ Pure checks of EngineSpec / engine_env / the tiny model builder are at the botto
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import time
 from collections.abc import Coroutine, Sequence

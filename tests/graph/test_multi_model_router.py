@@ -20,20 +20,12 @@ import yaml
 pytest.importorskip("ray.serve")
 from starlette.requests import Request  # noqa: E402
 
-from disagg.core.types import Role  # noqa: E402
-from disagg.graph.messages import DecodeChunk, EngineStateReport, PrefillReply  # noqa: E402
+from disagg.graph.messages import DecodeChunk, PrefillReply  # noqa: E402
+from factories import BroadcastResults, idle_state  # noqa: E402
 from disagg.graph.router import Router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG = "the router prices every candidate " * 125  # 1,501 tokens
-
-
-class _Results:
-    def __init__(self, value):
-        self.value = value
-
-    async def results_async(self, timeout_s=None, return_exceptions=False):
-        return self.value
 
 
 class _Stream:
@@ -68,10 +60,7 @@ class _Pool:
         self.calls: list[tuple[str, str]] = []
 
     def broadcast(self, method):
-        return _Results([EngineStateReport(replica=r, role=Role(self.role), running=0, waiting=0, kv_used_tokens=0,
-                                           kv_capacity_tokens=65536, prefix_cache_hits=0, prefix_cache_queries=0,
-                                           kv_transfers_ok=0, kv_transfers_failed=0, kv_received_tokens=0)
-                         for r in self.ids])
+        return BroadcastResults([idle_state(r, self.role) for r in self.ids])
 
     def options(self, **kw):
         return self

@@ -23,18 +23,11 @@ from starlette.requests import Request  # noqa: E402
 
 from disagg.core.ledger import AdmittedWork  # noqa: E402
 from disagg.core.types import Role  # noqa: E402
-from disagg.graph.messages import DecodeChunk, EngineStateReport, PrefillReply  # noqa: E402
+from disagg.graph.messages import DecodeChunk, PrefillReply  # noqa: E402
+from factories import BroadcastResults, idle_state  # noqa: E402
 from disagg.graph.router import Router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class _Results:
-    def __init__(self, value):
-        self.value = value
-
-    async def results_async(self, timeout_s=None, return_exceptions=False):
-        return self.value
 
 
 class _Engines:
@@ -47,10 +40,7 @@ class _Engines:
         self.decoded_on: list[str] = []
 
     def broadcast(self, method):
-        return _Results([EngineStateReport(replica=r, role=self.role, running=0, waiting=0, kv_used_tokens=0,
-                                           kv_capacity_tokens=65536, prefix_cache_hits=0, prefix_cache_queries=0,
-                                           kv_transfers_ok=0, kv_transfers_failed=0, kv_received_tokens=0,
-                                           admitted=self.admitted[r].totals()) for r in self.ids])
+        return BroadcastResults([idle_state(r, self.role, self.admitted[r].totals()) for r in self.ids])
 
     def options(self, **kw):
         return self

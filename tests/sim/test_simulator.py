@@ -3,7 +3,6 @@
 import pytest
 
 from disagg.core.cost_model import load_profile
-from disagg.core.engine_model import EngineModel
 from disagg.core.policies import build_policy, known_policies
 from disagg.core.types import SloClass
 from disagg.sim.runner import clamp_to_context, compare, simulate
