@@ -56,10 +56,12 @@ def calibrated_file(tmp_path_factory, stack):
     import subprocess
 
     out = tmp_path_factory.mktemp("calibration")
+    # inside the CPU profile's router.cost_model_dir (runs/ in the run folder): /admin/cost_model loads only there
+    path = stack.run_dir / "runs" / "calibrated-by-tests.yaml"
     cmd = [sys.executable, "-m", "disagg.cli", "calibrate", "--config", str(ROOT / "deployments" / "local.yaml"),
-           "--out", str(out / "cpu-calibrated.yaml"), "--report", str(out / "report.json"), "--quick",
+           "--out", str(path), "--report", str(out / "report.json"), "--quick",
            "--url", stack.base_url, "--url-requests", "8"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return SimpleNamespace(path=out / "cpu-calibrated.yaml", report=out / "report.json", stdout=proc.stdout,
+    return SimpleNamespace(path=path, report=out / "report.json", stdout=proc.stdout,
                            stderr=proc.stderr)

@@ -182,13 +182,20 @@ class CostModelError(ValueError):
     """A cost-model file or dict that cannot be used; the message names file, line and field."""
 
 
+def shipped_profiles() -> list[str]:
+    """The names of the cost-model profiles shipped in disagg/profiles."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
 def load_profile(name_or_path: str | Path) -> CostModel:
-    """A shipped profile by name ('a40', 'cpu-tiny') or any cost-model YAML by path."""
-    candidate = PROFILES_DIR / f"{name_or_path}.yaml"
-    if isinstance(name_or_path, str) and candidate.exists():
-        return CostModel.load(candidate)
+    """A shipped profile by name ('a40', 'cpu-tiny') or any cost-model YAML by path.
+
+    Any path: for trusted input (the config file). A name or path from an HTTP client goes through
+    `graph.access.CostModelFiles`, which confines it."""
+    if isinstance(name_or_path, str) and name_or_path in shipped_profiles():
+        return CostModel.load(PROFILES_DIR / f"{name_or_path}.yaml")
     path = Path(name_or_path)
     if path.exists():
         return CostModel.load(path)
-    known = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
-    raise CostModelError(f"no cost-model profile or file {str(name_or_path)!r}; shipped profiles: {known}")
+    raise CostModelError(f"no cost-model profile or file {str(name_or_path)!r}; shipped profiles: "
+                         f"{shipped_profiles()}")

@@ -3,10 +3,13 @@
 - `state()`: the models' policies and cost models, every live instance's latest poll with its
   ledger backlog and queue, the requests in flight and the counters;
 - `set_policy(body)`: switch P/D policy without restarting engines: `{"name", "params", "model"}`;
-- `set_cost_model(body)`: reload a model's cost model (a shipped profile name or a YAML path);
+- `set_cost_model(body)`: reload a model's cost model: a shipped profile name, or a YAML file inside
+  `router.cost_model_dir` (`access.CostModelFiles`; anything else is one 400 that does not
+  say whether the path exists);
 - `reset_prefix_cache()`: drop every engine's cached prefixes (between benchmark runs).
 A body naming no `model` applies to every model. Invalid bodies raise `ApiError` (400) naming the
 field, and change nothing: every target's new policy is built before any is swapped in.
+Who may call these is the ingress's business (`access.Access.admin`), checked before they run.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import json
 from dataclasses import asdict
 from typing import Mapping
 
-from disagg.core.cost_model import CostModelError, load_profile
+from disagg.core.cost_model import CostModelError
 from disagg.core.ledger import Ledger
 from disagg.core.policies import PolicyError, build_policy, known_policies
+from disagg.graph.access import CostModelFiles
 from disagg.graph.openai_api import ApiError
 from disagg.graph.registry import InstanceRegistry
 from disagg.graph.request_log import Counters
@@ -26,8 +30,10 @@ from disagg.graph.served_model import ServedModel
 
 class Admin:
     def __init__(self, models: Mapping[str, ServedModel], registry: InstanceRegistry, ledger: Ledger,
-                 counters: Counters, alias: str | None, lam: float, replica_index: int = 0) -> None:
+                 counters: Counters, alias: str | None, lam: float, replica_index: int = 0,
+                 cost_model_files: CostModelFiles = CostModelFiles()) -> None:
         self.models = models
+        self.cost_model_files = cost_model_files  # what set_cost_model may load (default: profile names only)
         self.replica_index = replica_index  # policies are built for this router replica (`Policy.for_replica`)
         self.registry = registry
         self.ledger = ledger
@@ -85,8 +91,8 @@ class Admin:
                 "known": known_policies(False)}
 
     def set_cost_model(self, raw_body: bytes) -> dict:
-        """{"cost_model": <profile name or YAML path>, "model": ...} (`model` may be left out when the
-        app serves one model); the model's policy is rebuilt on it."""
+        """{"cost_model": <profile name, or YAML path inside cost_model_dir>, "model": ...} (`model` may
+        be left out when the app serves one model); the model's policy is rebuilt on it."""
         try:
             body = json.loads(raw_body)
             source = body["cost_model"]
@@ -94,7 +100,7 @@ class Admin:
             if len(targets) != 1:
                 raise ApiError(f"this app serves {len(self.models)} models: name one with 'model'", param="model")
             m = targets[0]
-            cm = load_profile(source)
+            cm = self.cost_model_files.load(source)
             if cm.calibrated and cm.model and cm.model != m.cfg.model.source:
                 raise CostModelError(f"{source} was calibrated for model {cm.model!r}; this app serves "
                                      f"{m.cfg.model.source!r}")

@@ -13,26 +13,43 @@ Two shapes of `args`:
   query's TTFT limit across every instance of every model. Each entry is served exactly like a
   one-model app: `ModelEntry.app_config` gives its `AppConfig` view.
 
+Access settings (`router.api_keys_env`, `admin`, `admin_token_env`, `cost_model_dir`) name
+environment variables and folders, never secrets: `graph/access.py` reads the variables on each
+router replica, so no key is written in a config file.
+
 Pure pydantic: importing this module needs neither Ray nor vLLM, so configs are checked anywhere.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
+from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from disagg.core.policies import PolicyError, build_policy
 from disagg.core.cost_model import CostModel, CostModelError, load_profile
 from disagg.core.types import SloClass
 from disagg.core.utility import AccuracyTable, EvaluationError, ModelPrices
-from disagg.core.yaml_errors import explain, read_yaml, yaml_root
+from disagg.core.yaml_errors import explain, line_of, read_yaml, yaml_root
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class AdminAccess(str, Enum):
+    """Who may call the router's `/admin/*` routes (`router.admin`)."""
+
+    DISABLED = "disabled"  # nobody: the routes answer 404, as unknown paths do
+    LOOPBACK = "loopback"  # clients whose address, as the router replica sees it, is loopback
+    TOKEN = "token"  # whoever presents `Authorization: Bearer <the token in router.admin_token_env>`
 
 
 class ModelConfig(_Strict):
@@ -134,11 +151,48 @@ class RouterSettings(_Strict):
     request_log: str | None = Field(default=None, description="JSON-lines file, one record per request")
     num_cpus: float = Field(default=0.1, ge=0)
     prefill_retries: int = Field(default=1, ge=0, description="other prefill instances tried after a failure")
+    shed_queue_factor: float = Field(default=2.0, ge=0, description="answer 429 + Retry-After when every decode "
+                                     "instance already holds this many times engine.max_num_seqs requests (tight "
+                                     "requests: twice that); 0 = never shed (disagg.core.admission)")
     max_body_bytes: int = Field(default=8 << 20, gt=0, description="largest request body accepted; a larger one "
                                 "is refused with 413 before it is parsed")
     num_replicas: int = Field(default=1, ge=1, description="router replicas (initial count with autoscaling); "
                               "each sees the others' admitted work through the engines' ledgers")
     autoscaling: AutoscalingConfig | None = Field(default=None, description="scale the routers on ongoing requests")
+    api_keys_env: str | None = Field(default=None, description="NAME of the environment variable (on the Ray "
+                                     "nodes) holding the API keys, comma-separated: then /v1/* need "
+                                     "`Authorization: Bearer <key>`; unset = the API is open")
+    admin: AdminAccess = Field(default=AdminAccess.LOOPBACK, description="who may call /admin/*: 'disabled' "
+                               "(404), 'loopback' (clients on 127.0.0.1/::1 only) or 'token' (a Bearer token)")
+    admin_token_env: str | None = Field(default=None, description="NAME of the environment variable holding "
+                                        "the admin token (admin: token)")
+    cost_model_dir: str | None = Field(default=None, description="the folder (relative: to DISAGG_RUN_DIR) "
+                                       "whose YAML files POST /admin/cost_model may load; unset = shipped "
+                                       "profile names only")
+
+    @field_validator("admin", mode="before")
+    @classmethod
+    def _admin_not_a_yaml_boolean(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # YAML 1.1 reads a bare off / no / false (on / yes / true) as a boolean
+            raise ValueError(f"admin must be one of {[a.value for a in AdminAccess]}, got the boolean {v} "
+                             "(YAML reads a bare off/no/false as false: write 'disabled')")
+        return v
+
+    @model_validator(mode="after")
+    def _access(self) -> "RouterSettings":
+        # the error names the field, never its value: a key pasted here by mistake must not reach a log
+        for name in ("api_keys_env", "admin_token_env"):
+            value = getattr(self, name)
+            if value is not None and not ENV_NAME.fullmatch(value):
+                raise ValueError(f"router.{name} must be the NAME of an environment variable (letters, digits "
+                                 "and _, not starting with a digit), not the secret itself")
+        if self.admin is AdminAccess.TOKEN and self.admin_token_env is None:
+            raise ValueError("router.admin 'token' needs router.admin_token_env (the environment variable "
+                             "holding the admin token)")
+        if self.admin is not AdminAccess.TOKEN and self.admin_token_env is not None:
+            raise ValueError(f"router.admin_token_env is set but router.admin is {self.admin.value!r}: set "
+                             "admin: token to use the token, or drop admin_token_env")
+        return self
 
 
 class RouterConfig(RouterSettings):
@@ -342,6 +396,32 @@ def parse_args(args: dict, path: Path | None = None, prefix: tuple = ()) -> AppC
         raise ConfigError(explain(e, path, yaml_root(path) if path else None, prefix)) from None
 
 
+def _check_admin_reachability(cfg: AppConfig | MultiModelConfig, doc: dict, path: Path, i: int) -> None:
+    """`admin: loopback` only where Serve listens on loopback: behind Serve's HAProxy (our fast path)
+    every client reaches a router replica on the proxy's node from 127.0.0.1 (HAProxy forwards no client
+    address), so on a public bind 'loopback' would admit anyone who reaches the port."""
+    http = doc.get("http_options") if isinstance(doc.get("http_options"), dict) else {}
+    host = str(http.get("host", "127.0.0.1"))  # Serve's default bind
+    if cfg.router.admin is AdminAccess.LOOPBACK and not is_loopback_host(host):
+        loc = ("applications", i, "args", "router", "admin")
+        raise ConfigError(f"{path}:{line_of(yaml_root(path), loc)}: field '{'.'.join(map(str, loc))}': 'loopback' "
+                          f"with http_options.host {host!r}: behind Serve's HAProxy every client reaches the router "
+                          "from 127.0.0.1, so anyone reaching the port would pass; use admin: token (with "
+                          "admin_token_env) or admin: disabled")
+
+
+def is_loopback_host(host: str) -> bool:
+    """An address (or 'localhost') on the loopback interface; IPv4-mapped IPv6 included."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
 def load_serve_config(path: str | Path) -> list[tuple[str, AppConfig]]:
     """Validate every application of a Serve config file that our `build_app` builds.
 
@@ -362,6 +442,7 @@ def load_serve_config(path: str | Path) -> list[tuple[str, AppConfig]]:
             raise ConfigError(f"{path}: field 'applications.{i}.args': missing (the application's configuration)")
         name = app.get("name", f"app{i}")
         cfg = parse_args(args, path, ("applications", i, "args"))
+        _check_admin_reachability(cfg, doc, path, i)
         if isinstance(cfg, MultiModelConfig):
             out.extend((f"{name}/{served}", view) for served, view in cfg.app_configs().items())
         else:

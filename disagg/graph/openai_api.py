@@ -42,9 +42,10 @@ _SEAM_TO_FIELD = {"structured_outputs": "response_format", "max_tokens": "max_to
 
 class ApiError(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.kind = message, param, status, kind
+        self.headers = headers or {}  # e.g. Retry-After on a 429
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}

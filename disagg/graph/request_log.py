@@ -33,6 +33,7 @@ class Counters:
     misrouted: int = 0  # calls answered by another replica than the one they were pinned to
     cancelled: int = 0  # requests the client went away from
     instances_lost: int = 0  # engine instances that stopped answering polls (died, or scaled down)
+    shed_429: int = 0  # requests refused with 429 because every candidate was too far behind (overload)
 
 
 class RequestLog:

@@ -11,6 +11,8 @@ replica) → tokens stream back through this replica to the proxy.
 - `registry.InstanceRegistry`: which engine instances exist and their latest polled state;
 - `dispatcher.Dispatcher`: the routing decision, prefill, decode and token relay, with retries;
 - `admin.Admin`: the `/admin/*` control plane;
+- `access.Access`: who may call what — API keys on `/v1/*`, the admin gate on `/admin/*` — checked
+  first in each route, before the body is read (`/health` stays open for load balancers);
 - `request_log`: one JSON line per request, and the counters.
 The route decorators stay on this class: `serve.ingress` captures them when it wraps it.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import uuid
 from dataclasses import asdict
@@ -43,9 +46,11 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
+from disagg.core.admission import shed
 from disagg.core.ledger import Ledger
 from disagg.core.types import Role, SloClass
 from disagg.core.utility import AccuracyTable
+from disagg.graph.access import Access, CostModelFiles
 from disagg.graph.admin import Admin
 from disagg.graph.config import AppConfig, MultiModelConfig, is_multi_model
 from disagg.graph.dispatcher import Dispatcher, Flight
@@ -57,6 +62,7 @@ from disagg.graph.request_log import Counters, RequestLog
 from disagg.graph.served_model import ServedModel
 
 fastapi_app = FastAPI(title="disagg router")
+logger = logging.getLogger(__name__)
 ADMIN_TIMEOUT_S = 30.0
 OFF_LOOP_TOKENIZE_CHARS = 16_384  # longer prompts tokenize in a thread (~1 ms per 1,000 characters)
 
@@ -103,7 +109,7 @@ def _replica_identity() -> tuple[str, int, DeploymentHandle | None]:
 
 
 def _error(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def _header_number(request: Request, name: str, minimum_exclusive: bool) -> float | None:
@@ -138,6 +144,7 @@ class Router:
             views, rc = {cfg.model.served_name: cfg}, cfg.router
             pools = pools or {cfg.model.served_name: {Role.PREFILL.value: prefill, Role.DECODE.value: decode}}
             self.alias, self.lam, accuracy, prices = None, 0.0, AccuracyTable(), {}
+        self.access = Access.from_settings(rc)  # before anything starts: an unset key variable stops us here
         self.default_slo = rc.default_slo
         self.max_body_bytes = rc.max_body_bytes
         self.router_id, rank, self._peers = _replica_identity()
@@ -152,7 +159,8 @@ class Router:
                                      router_id=self.router_id)
         self.flights = self.dispatcher.flights  # the requests in flight, for inspection
         self.admin = Admin(self.served, self.registry, self.ledger, self.counters, self.alias, self.lam,
-                           replica_index=rank)
+                           replica_index=rank, cost_model_files=CostModelFiles.from_settings(rc))
+        logger.info("router %s access: %s", self.router_id, self.access.describe())
         self._poll_task = asyncio.get_running_loop().create_task(self.registry.poll_forever())
 
     async def poll_once(self) -> None:
@@ -163,21 +171,23 @@ class Router:
 
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return await self._handle(request, chat=False)
+        return self.access.api(request) or await self._handle(request, chat=False)
 
     @fastapi_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        return await self._handle(request, chat=True)
+        return self.access.api(request) or await self._handle(request, chat=True)
 
     @fastapi_app.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, request: Request) -> Response:
+        if (refused := self.access.api(request)) is not None:
+            return refused
         data = [{"id": m.name, "object": "model", "owned_by": "disagg", "root": m.cfg.model.source,
                  "max_model_len": m.cfg.model.max_model_len} for m in self.served.values()]
         if self.alias:
             data.append({"id": self.alias, "object": "model", "owned_by": "disagg", "root": None,
                          "max_model_len": max(m.cfg.model.max_model_len for m in self.served.values()),
                          "routes_to": list(self.served)})
-        return {"object": "list", "data": data}
+        return JSONResponse({"object": "list", "data": data})
 
     @fastapi_app.get("/health")
     async def health(self) -> Response:
@@ -185,9 +195,11 @@ class Router:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @fastapi_app.get("/admin/state")
-    async def admin_state(self) -> dict:
+    async def admin_state(self, request: Request) -> Response:
         """This replica's view of the engines and models; `counters` and `in_flight` summed over
         every router replica, and `routers` with each one's."""
+        if (refused := self.access.admin(request)) is not None:
+            return refused
         state = self.admin.state()
         routers = {self.router_id: await self.router_summary()}
         if self._peers is not None:
@@ -198,7 +210,7 @@ class Router:
         state["router"], state["routers"] = self.router_id, routers
         state["counters"] = {k: sum(r["counters"].get(k, 0) for r in routers.values()) for k in state["counters"]}
         state["in_flight"] = sum(r["in_flight"] for r in routers.values())
-        return state
+        return JSONResponse(state)
 
     async def router_summary(self) -> dict:
         """This replica's id, counters and requests in flight: `/admin/state` on any replica sums them."""
@@ -207,12 +219,12 @@ class Router:
     @fastapi_app.post("/admin/policy")
     async def admin_policy(self, request: Request) -> Response:
         """Switch the P/D policy without restarting engines: {"name": ..., "params": {...}, "model": ...}."""
-        return await self._admin_change("set_policy", await request.body())
+        return self.access.admin(request) or await self._admin_change("set_policy", await request.body())
 
     @fastapi_app.post("/admin/cost_model")
     async def admin_cost_model(self, request: Request) -> Response:
         """Reload a model's cost model without a restart: {"cost_model": ..., "model": ...}."""
-        return await self._admin_change("set_cost_model", await request.body())
+        return self.access.admin(request) or await self._admin_change("set_cost_model", await request.body())
 
     async def apply_admin(self, op: str, raw_body: bytes) -> str:
         """Apply an admin change another router replica validated (see `_admin_change`)."""
@@ -242,8 +254,8 @@ class Router:
         return JSONResponse(out)
 
     @fastapi_app.post("/admin/reset_prefix_cache")
-    async def admin_reset_prefix_cache(self) -> dict:
-        return await self.admin.reset_prefix_cache()
+    async def admin_reset_prefix_cache(self, request: Request) -> Response:
+        return self.access.admin(request) or JSONResponse(await self.admin.reset_prefix_cache())
 
     # --- one request ---------------------------------------------------------------------------
 
@@ -255,13 +267,15 @@ class Router:
             limit_ms = _header_number(request, "X-TTFT-Limit-Ms", minimum_exclusive=True)
             lam = _header_number(request, "X-Route-Lambda", minimum_exclusive=False)
             targets = self._may_fit(self._targets(req.model), req)
+            self._admit_or_shed(targets, slo)  # before tokenizing: an overloaded fleet answers at once
             prompts = await self._tokenize_all(targets, req, chat)
             if req.model == self.alias:
                 targets = self._fitting(targets, req, prompts)
             model = targets[0]
             sampling = model.sampling(req, len(prompts[model.name]))
         except ApiError as e:
-            self.counters.rejected_400 += 1
+            if e.status != 429:  # a shed request was valid: counted as shed_429 instead
+                self.counters.rejected_400 += 1
             return _error(e)
         flight = Flight(new_id("chatcmpl" if chat else "cmpl"), req, chat, slo, prompts[model.name], sampling, model)
         flight.lam = self.lam if lam is None else lam
@@ -319,6 +333,17 @@ class Router:
         if f.req.include_usage:
             yield stream_chunk(f.rid, model, "", None, f.chat, usage=usage(len(f.prompt_ids), f.generated))
         yield STREAM_DONE
+
+    def _admit_or_shed(self, targets: list[ServedModel], slo: SloClass) -> None:
+        """429 with Retry-After when every candidate model's decode instances are too far behind
+        (`disagg.core.admission`); the soonest of their drain estimates is the hint."""
+        verdicts = [shed(self.registry.views(m, m.decode_role), m.cfg.engine.max_num_seqs, slo,
+                         m.cfg.router.shed_queue_factor) for m in targets]
+        if verdicts and all(verdicts):
+            soonest = min(verdicts, key=lambda s: s.retry_after_s)
+            self.counters.shed_429 += 1
+            raise ApiError(soonest.message(), status=429, kind="rate_limit_error",
+                           headers={"Retry-After": str(soonest.retry_after_s)})
 
     def _slo(self, request: Request) -> SloClass:
         raw = request.headers.get("x-slo-class")

@@ -259,11 +259,13 @@ def test_request_log_records_every_decision(client, stack):
 
 
 def test_router_reloads_a_calibrated_cost_model_without_restart(client, calibrated_file, tmp_path):
+    """A calibrated file inside the CPU profile's router.cost_model_dir (runs/ in the run folder) is loaded
+    without a restart; a file outside it is refused with the same 400 as a path that does not exist."""
     from disagg.core.cost_model import CostModel
 
     set_policy(client, "marginal_cost")
     r = client.post("/admin/cost_model", json={"cost_model": str(calibrated_file.path)})
-    assert r.status_code == 200 and r.json()["calibrated"] is True
+    assert r.status_code == 200 and r.json()["calibrated"] is True, r.text
     assert state(client)["cost_model"] == CostModel.load(calibrated_file.path).name
     resp = complete(client, "priced with calibrated constants", max_tokens=8, ignore_eos=True)
     cm = CostModel.load(calibrated_file.path)
@@ -272,14 +274,27 @@ def test_router_reloads_a_calibrated_cost_model_without_restart(client, calibrat
     # the header prints 4 decimals
     assert d_work >= 8 * cm.engine.decode_token_s(1) - 0.00005
 
-    other = cm.model_copy(update={"model": "some/other-model"})
-    other.save(tmp_path / "other.yaml")
-    r = client.post("/admin/cost_model", json={"cost_model": str(tmp_path / "other.yaml")})
-    assert r.status_code == 400 and "some/other-model" in r.json()["error"]["message"]
-    (tmp_path / "units.yaml").write_text((tmp_path / "other.yaml").read_text().replace(
-        f"decode_seq_s: {cm.engine.decode_seq_s}", "decode_seq_s: 2.5"))
-    r = client.post("/admin/cost_model", json={"cost_model": str(tmp_path / "units.yaml")})
-    assert r.status_code == 400 and "decode" in r.json()["error"]["message"]
+    allowed = calibrated_file.path.parent  # the router's cost_model_dir
+    other_path, units_path = allowed / "test-reload-other.yaml", allowed / "test-reload-units.yaml"
+    try:
+        other = cm.model_copy(update={"model": "some/other-model"})
+        other.save(other_path)
+        r = client.post("/admin/cost_model", json={"cost_model": str(other_path)})
+        assert r.status_code == 400 and "some/other-model" in r.json()["error"]["message"]
+        units_path.write_text(other_path.read_text().replace(
+            f"decode_seq_s: {cm.engine.decode_seq_s}", "decode_seq_s: 2.5"))
+        r = client.post("/admin/cost_model", json={"cost_model": str(units_path)})
+        assert r.status_code == 400 and "decode" in r.json()["error"]["message"]
+
+        cm.save(tmp_path / "outside.yaml")  # a valid calibrated file, outside the allowed folder
+        refusals = [client.post("/admin/cost_model", json={"cost_model": source}) for source in
+                    (str(tmp_path / "outside.yaml"), str(allowed / "no-such-file.yaml"),
+                     str(allowed / ".." / ".." / "outside.yaml"))]
+        assert [x.status_code for x in refusals] == [400, 400, 400]
+        assert len({x.json()["error"]["message"] for x in refusals}) == 1  # one message: nothing said of existence
+    finally:
+        other_path.unlink(missing_ok=True)
+        units_path.unlink(missing_ok=True)
     assert state(client)["cost_model"] == cm.name  # the refused files changed nothing
 
 

@@ -1,0 +1,178 @@
+"""Overload: drive the app well past its capacity and check it sheds instead of drowning.
+
+Usage (from the repository root, nothing else running; it starts the CPU profile itself unless
+`--url` names a running app):
+
+    .venv/bin/python benchmarks/overload.py --factor 3 --duration 60 --json runs/overload.json
+
+1. Capacity: `--concurrency` closed-loop clients for `--probe-s` seconds, each request
+   `--tokens` output tokens (ignore_eos); capacity = completed requests per second.
+2. Overload: open-loop Poisson arrivals at `--factor` × capacity for `--duration` seconds, half of
+   them `X-SLO-Class: tight`. Every request has a client timeout (`--timeout`); nothing is retried.
+3. Reported: accepted requests and how many completed with every token; 429s, their latency and
+   Retry-After; other errors; client timeouts (connect or read); the router replicas' memory
+   (RSS) sampled every 5 s; per SLO class the share shed.
+
+What should hold: every accepted request completes, the rest get a fast 429 (p99 < 50 ms), no
+client timeouts, router memory flat, loose requests shed before tight ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny-qwen2"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def router_rss_mb() -> float:
+    out = subprocess.run(["ps", "-eo", "rss=,args="], capture_output=True, text=True).stdout
+    return sum(int(line.split()[0]) for line in out.splitlines() if "ServeReplica:" in line and ":router" in line) / 1024
+
+
+async def one(client, i: int, slo: str, tokens: int) -> dict:
+    body = {"model": MODEL, "prompt": f"overload {i} " + "word " * (i % 50), "max_tokens": tokens,
+            "ignore_eos": True, "temperature": 0}
+    t0 = time.perf_counter()
+    try:
+        r = await client.post("/v1/completions", json=body, headers={"X-SLO-Class": slo})
+    except Exception as e:  # httpx timeouts and connection errors: what must not happen
+        return {"slo": slo, "status": None, "error": type(e).__name__, "latency_s": time.perf_counter() - t0}
+    out = {"slo": slo, "status": r.status_code, "latency_s": time.perf_counter() - t0}
+    if r.status_code == 200:
+        out["complete"] = r.json()["usage"]["completion_tokens"] == tokens
+    elif r.status_code == 429:
+        out["retry_after"] = r.headers.get("retry-after")
+    else:
+        out["error"] = r.text[:200]
+    return out
+
+
+async def capacity(client, concurrency: int, probe_s: float, tokens: int) -> float:
+    done, stop = 0, time.perf_counter() + probe_s
+
+    async def worker(k: int) -> None:
+        nonlocal done
+        i = 0
+        while time.perf_counter() < stop:
+            r = await one(client, 10_000 * k + i, "loose", tokens)
+            i += 1
+            done += r["status"] == 200
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(k) for k in range(concurrency)))
+    return done / (time.perf_counter() - t0)
+
+
+async def overload(client, rate: float, duration_s: float, tokens: int, seed: int) -> tuple[list[dict], list[float]]:
+    rng = random.Random(seed)
+    tasks, rss, t0 = [], [router_rss_mb()], time.perf_counter()
+    next_rss, t, i = t0 + 5.0, 0.0, 0
+    while t < duration_s:
+        t += rng.expovariate(rate)
+        delay = t0 + t - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(client, i, "tight" if i % 2 else "loose", tokens)))
+        i += 1
+        if time.perf_counter() >= next_rss:
+            rss.append(router_rss_mb())
+            next_rss += 5.0
+    results = await asyncio.gather(*tasks)
+    rss.append(router_rss_mb())
+    return results, rss
+
+
+def summarize(results: list[dict], rss: list[float], cap: float, rate: float) -> dict:
+    ok = [r for r in results if r["status"] == 200]
+    shed = [r for r in results if r["status"] == 429]
+    timeouts = [r for r in results if r["status"] is None]
+    other = [r for r in results if r["status"] not in (200, 429, None)]
+    by_class = {c: {"sent": sum(r["slo"] == c for r in results),
+                    "shed": sum(r["slo"] == c and r["status"] == 429 for r in results)} for c in ("loose", "tight")}
+    return {
+        "capacity_rps": cap, "offered_rps": rate, "sent": len(results),
+        "accepted": len(ok), "accepted_complete": sum(r.get("complete", False) for r in ok),
+        "shed_429": len(shed), "shed_latency_ms_p50": (pct([r["latency_s"] for r in shed], 50) or 0) * 1e3,
+        "shed_latency_ms_p99": (pct([r["latency_s"] for r in shed], 99) or 0) * 1e3,
+        "retry_after_s": sorted({r["retry_after"] for r in shed}),
+        "accepted_latency_s_p50": pct([r["latency_s"] for r in ok], 50),
+        "accepted_latency_s_p99": pct([r["latency_s"] for r in ok], 99),
+        "client_timeouts_or_connection_errors": len(timeouts), "other_errors": len(other),
+        "other_error_samples": [r.get("error") for r in other[:3]],
+        "by_class": by_class, "router_rss_mb": rss,
+        "router_rss_growth_mb": (rss[-1] - rss[0]) if len(rss) > 1 else 0.0,
+    }
+
+
+async def run(args) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=args.url, timeout=httpx.Timeout(args.timeout), limits=limits,
+                                 trust_env=False) as client:
+        log(f"capacity probe: {args.concurrency} closed-loop clients for {args.probe_s:.0f} s ...")
+        cap = await capacity(client, args.concurrency, args.probe_s, args.tokens)
+        rate = args.factor * cap
+        log(f"capacity {cap:.1f} req/s; overload at {rate:.1f} req/s for {args.duration:.0f} s ...")
+        results, rss = await overload(client, rate, args.duration, args.tokens, args.seed)
+    return summarize(results, rss, cap, rate)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "deployments" / "local.yaml"))
+    ap.add_argument("--url", help="a running app (default: start --config on a local cluster)")
+    ap.add_argument("--factor", type=float, default=3.0)
+    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--probe-s", type=float, default=20.0)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if args.factor <= 0 or args.duration <= 0 or args.concurrency < 1 or args.tokens < 1:
+        ap.error("--factor, --duration, --concurrency and --tokens must be positive")
+    stack = None
+    if args.url is None:
+        from disagg.graph.launch import LocalStack
+
+        os.environ.setdefault("DISAGG_RUN_DIR", os.getcwd())
+        stack = LocalStack(args.config, log=lambda m: log(f"stack: {m}"))
+        args.url = stack.base_url
+    try:
+        if stack:
+            stack.start()
+        summary = asyncio.run(run(args))
+    finally:
+        if stack:
+            stack.stop()
+    print(json.dumps(summary, indent=1), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"command": " ".join([sys.executable, *sys.argv]),
+                                               "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

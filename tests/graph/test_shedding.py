@@ -1,0 +1,125 @@
+"""Overload: the real Router refuses at once with 429 + Retry-After, loose before tight, before
+tokenizing, and serves again once the queue drains. In-process, over stand-in engine pools whose
+decode engines report work that another router sent them (the engines' own ledgers)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray.serve")
+
+from starlette.requests import Request  # noqa: E402
+
+from disagg.graph.messages import DecodeChunk, PrefillReply  # noqa: E402
+from disagg.graph.router import Router  # noqa: E402
+from factories import BroadcastResults, idle_state  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_NUM_SEQS = 64  # deployments/local.yaml
+
+
+class _Pool:
+    def __init__(self, role: str, ids: list[str]):
+        self.role, self.ids, self.queued, self.calls = role, ids, 0, 0
+
+    def broadcast(self, method):  # every engine holds `queued` calls of 2 s each from another router
+        return BroadcastResults([idle_state(r, self.role, {"other": (2.0 * self.queued, self.queued)} if self.queued
+                                            else None) for r in self.ids])
+
+    def options(self, **kw):
+        return self
+
+    @property
+    def prefill(self):
+        pool = self
+
+        class _M:
+            def remote(self, call, replica=None):
+                pool.calls += 1
+
+                async def done():
+                    return PrefillReply({"remote": replica}, 7, 0.001, replica)
+                return done()
+        return _M()
+
+    @property
+    def decode(self):
+        pool = self
+
+        class _Stream:
+            def __init__(self, replica):
+                self.replica, self.sent = replica, False
+
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                if self.sent:
+                    raise StopAsyncIteration
+                self.sent = True
+                return DecodeChunk((7,), "a", "length", replica=self.replica, engine_first_token_s=0.001)
+
+            def cancel(self):
+                pass
+
+        class _M:
+            def remote(self, call, replica=None):
+                pool.calls += 1
+                return _Stream(replica)
+        return _M()
+
+
+def _request(slo: str) -> Request:
+    raw = json.dumps({"model": "tiny-qwen2", "prompt": "overload " * 50, "max_tokens": 1}).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                    "headers": [(b"x-slo-class", slo.encode())]}, receive)
+
+
+def test_overload_is_refused_fast_loose_first_and_served_again_after_the_drain():
+    async def scenario():
+        prefill, decode = _Pool("prefill", ["p0"]), _Pool("decode", ["d0", "d1"])
+        args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
+        args["router"]["request_log"] = None
+        cls = Router.__mro__[1]
+        r = cls.__new__(cls)
+        await r.__init__(prefill, decode, args)
+        r._poll_task.cancel()
+        tokenized = []
+        for m in r.served.values():  # count tokenizations: a shed request must not reach the tokenizer
+            encode = m.tokenizer.encode
+            m.tokenizer.encode = lambda *a, _e=encode, **k: tokenized.append(1) or _e(*a, **k)
+
+        out = []
+        for queued in (0, 2 * MAX_NUM_SEQS, 4 * MAX_NUM_SEQS, 0):  # idle, loaded, overloaded, drained
+            out.append([])
+            decode.queued = queued
+            await r.poll_once()
+            for slo in ("loose", "tight"):
+                before, calls, t0 = len(tokenized), prefill.calls + decode.calls, time.perf_counter()
+                resp = await r._handle(_request(slo), chat=False)
+                out[-1].append(
+                    (slo, resp.status_code, resp.headers.get("retry-after"), time.perf_counter() - t0,
+                     len(tokenized) - before, prefill.calls + decode.calls - calls))
+        return out, r.counters
+
+    (idle, loaded, overloaded, drained), counters = asyncio.run(scenario())
+    assert [(s, code) for s, code, *_ in idle] == [("loose", 200), ("tight", 200)]
+    assert all(n_tok >= 1 and n_calls == 2 for *_, n_tok, n_calls in idle)  # served: tokenized, prefill + decode
+    loose, tight = loaded
+    assert loose[1] == 429 and tight[1] == 200  # loose goes first
+    # 128 queued, bound 128: one request beyond, 64 at a time, 2 s each → 1 s
+    assert loose[2] == "1" and loose[4] == 0 and loose[5] == 0 and loose[3] < 0.05
+    assert [c for _, c, *_ in overloaded] == [429, 429]
+    assert [int(ra) for _, _, ra, *_ in overloaded] == [5, 1]  # (256−128+1)·2/64 → 5 s; tight: (256−256+1)·2/64 → 1 s
+    assert [(s, code) for s, code, *_ in drained] == [("loose", 200), ("tight", 200)]
+    assert counters.shed_429 == 3 and counters.rejected_400 == 0
