@@ -2,8 +2,8 @@
 
 Usage (from the repository root):
 
-    DISAGG_TRACE_DIR=/work/shared/traces python benchmarks/multi_router_sim.py \
-        --requests 3000 --seeds 5 --ablations --json /tmp/multi_router_sim.json
+    DISAGG_TRACE_DIR=<trace dir> python benchmarks/multi_router_sim.py \
+        --requests 3000 --seeds 5 --ablations --json runs/multi_router_sim.json
 
 For each trace — two generated workloads (disagg/sim/workloads.py) and, when they resolve, the
 real Azure traces (`azure_conv_2023`, `azure_code_2023`, looked up like `disagg sim --trace` does:
