@@ -139,11 +139,26 @@ def request_body(model: str, req: PlannedRequest) -> bytes:
     }, separators=(",", ":")).encode()
 
 
+API_KEY_VAR, ADMIN_TOKEN_VAR = "DISAGG_API_KEY", "DISAGG_ADMIN_TOKEN"
+
+
+class AppAuth(httpx.Auth):
+    """Bearer credentials for an app that requires them (`router.api_keys_env`, `router.admin: token`):
+    $DISAGG_ADMIN_TOKEN on `/admin/*`, $DISAGG_API_KEY on everything else; nothing when unset.
+    Read at each request, so a rotated key is picked up; never logged."""
+
+    def auth_flow(self, request: httpx.Request):
+        var = ADMIN_TOKEN_VAR if "/admin/" in request.url.path else API_KEY_VAR
+        if token := os.environ.get(var):
+            request.headers["Authorization"] = f"Bearer {token}"
+        yield request
+
+
 def make_client(base_url: str, *, timeout_s: float, max_connections: int) -> httpx.AsyncClient:
     """One pooled client; `trust_env=False` keeps proxy variables out of the way (all traffic goes
-    to the app under test). HTTP/1.1 holds one stream per connection."""
+    to the app under test). HTTP/1.1 holds one stream per connection. Credentials: `AppAuth`."""
     return httpx.AsyncClient(
-        base_url=base_url, trust_env=False,
+        base_url=base_url, trust_env=False, auth=AppAuth(),
         timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
         limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
                             keepalive_expiry=30.0),

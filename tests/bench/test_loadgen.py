@@ -352,3 +352,32 @@ def test_sustains_500_arrivals_per_second(tmp_path, capsys):
 if __name__ == "__main__":
     if len(sys.argv) in (3, 4) and sys.argv[1] == "--serve":
         _serve_forever(sys.argv[2], *(float(a) for a in sys.argv[3:]))
+
+
+@pytest.mark.parametrize("path, expect", [
+    ("/v1/completions", "Bearer key-1"), ("/v1/models", "Bearer key-1"),
+    ("/admin/state", "Bearer admin-1"), ("/admin/policy", "Bearer admin-1"), ("/health", "Bearer key-1"),
+])
+def test_the_bench_client_sends_the_apps_credentials_from_the_environment(monkeypatch, path, expect):
+    """A deployment with API keys or an admin token stays measurable: /admin/* gets the admin token,
+    the rest the API key; with neither set no Authorization header is sent."""
+    import httpx
+
+    from disagg.bench.loadgen import AppAuth, make_client
+
+    assert isinstance(make_client("http://app", timeout_s=5, max_connections=1).auth, AppAuth)
+    seen = []
+
+    async def go():
+        transport = httpx.MockTransport(lambda r: seen.append(r.headers.get("authorization"))
+                                        or httpx.Response(200, json={}))
+        async with httpx.AsyncClient(base_url="http://app", auth=AppAuth(), transport=transport) as client:
+            await client.get(path)
+            monkeypatch.delenv("DISAGG_API_KEY")
+            monkeypatch.delenv("DISAGG_ADMIN_TOKEN")
+            await client.get(path)
+
+    monkeypatch.setenv("DISAGG_API_KEY", "key-1")
+    monkeypatch.setenv("DISAGG_ADMIN_TOKEN", "admin-1")
+    asyncio.run(go())
+    assert seen == [expect, None]
