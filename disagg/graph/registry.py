@@ -7,7 +7,10 @@ from then; a replica that stops answering, or disappears when its pool scales do
 after `STALE_AFTER_S` and its ledger entries are released.
 
 What the policy sees of an instance (`views`) merges the router's in-flight ledger (committed
-work, queue, prompts admitted since the poll) with the instance's latest poll (KV use).
+work, queue, prompts admitted since the poll) with the instance's latest poll (KV use, and the
+work the *other* router replicas have sent there, from the engine's own per-router ledger).
+A poll failure is logged once per distinct failure, not every 50 ms; a pool with no running
+replica yet (start-up) is simply empty.
 """
 
 from __future__ import annotations
