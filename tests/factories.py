@@ -134,3 +134,50 @@ def idle_state(replica: str, role: Role | str, admitted: dict | None = None):
                              kv_capacity_tokens=65536, prefix_cache_hits=0, prefix_cache_queries=0,
                              kv_transfers_ok=0, kv_transfers_failed=0, kv_received_tokens=0,
                              admitted=admitted or {})
+
+
+class StandInPool:
+    """An engine pool's handle for the router run in-process: answers `broadcast("state")` and the
+    `prefill` / `decode` calls the router pins to a replica, recording each as (method, replica,
+    call) in `calls`. A test subclasses it to change `state`, `prefill_reply` or `decode_stream`."""
+
+    def __init__(self, role: Role | str, ids: list[str]) -> None:
+        self.role, self.ids = role, ids
+        self.calls: list[tuple[str, str, Any]] = []
+
+    def state(self, replica: str):
+        return idle_state(replica, self.role)
+
+    async def prefill_reply(self, call, replica: str):
+        from disagg.graph.messages import PrefillReply
+
+        return PrefillReply(kv_transfer_params={"remote": replica}, first_token_id=7, engine_ttft_s=0.001,
+                            replica=replica)
+
+    def decode_stream(self, call, replica: str):
+        raise NotImplementedError("a decode pool's test says how it streams")
+
+    def broadcast(self, method: str) -> BroadcastResults:
+        return BroadcastResults([self.state(r) if method == "state" else {} for r in self.ids])
+
+    def options(self, **kw) -> "StandInPool":
+        return self
+
+    @property
+    def prefill(self) -> "_PinnedMethod":
+        return _PinnedMethod(self, "prefill", self.prefill_reply)
+
+    @property
+    def decode(self) -> "_PinnedMethod":
+        return _PinnedMethod(self, "decode", self.decode_stream)
+
+
+class _PinnedMethod:
+    """`pool.<method>.remote(call, replica=...)`, as a Serve handle offers it."""
+
+    def __init__(self, pool: StandInPool, name: str, answer) -> None:
+        self.pool, self.name, self.answer = pool, name, answer
+
+    def remote(self, call, replica: str | None = None):
+        self.pool.calls.append((self.name, replica, call))
+        return self.answer(call, replica)

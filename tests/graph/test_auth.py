@@ -30,9 +30,9 @@ from starlette.requests import Request  # noqa: E402
 from disagg.core.cost_model import PROFILES_DIR, CostModel  # noqa: E402
 from disagg.graph.access import AccessConfigError  # noqa: E402
 from disagg.graph.config import AdminAccess, ConfigError, RouterSettings, load_serve_config, parse_args  # noqa: E402
-from disagg.graph.messages import DecodeChunk, PrefillReply  # noqa: E402
-from factories import BroadcastResults, idle_state  # noqa: E402
+from disagg.graph.messages import DecodeChunk  # noqa: E402
 from disagg.graph.router import Router, fastapi_app  # noqa: E402
+from factories import StandInPool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-qwen2"
@@ -91,41 +91,11 @@ class _Stream:
         pass
 
 
-class _Pool:
-    """A pool handle: answers state polls, prefill and decode calls, and counts the calls."""
+class _Pool(StandInPool):
+    """Replicas `ids`; decodes stream `max_tokens` one-token chunks."""
 
-    def __init__(self, role: str, ids: list[str]):
-        self.role, self.ids, self.calls = role, ids, 0
-
-    def broadcast(self, method):
-        return BroadcastResults([idle_state(r, self.role) if method == "state" else {} for r in self.ids])
-
-    def options(self, **kw):
-        return self
-
-    @property
-    def prefill(self):
-        pool = self
-
-        class _M:
-            def remote(self, call, replica=None):
-                pool.calls += 1
-
-                async def done():
-                    return PrefillReply(kv_transfer_params={"remote": replica}, first_token_id=7,
-                                        engine_ttft_s=0.001, replica=replica)
-                return done()
-        return _M()
-
-    @property
-    def decode(self):
-        pool = self
-
-        class _M:
-            def remote(self, call, replica=None):
-                pool.calls += 1
-                return _Stream(replica, call.sampling["max_tokens"])
-        return _M()
+    def decode_stream(self, call, replica):
+        return _Stream(replica, call.sampling["max_tokens"])
 
 
 # --- the router over HTTP, in-process --------------------------------------------------------------
@@ -218,7 +188,7 @@ def test_every_openai_route_refuses_a_missing_wrong_or_malformed_key_with_a_401(
                     _assert_error(resp, 401, "authentication_error", "invalid_api_key", f"{path}: bad body")
         return r
     r = _run(run())
-    assert [p.calls for p in r.test_pools] == [0, 0]  # nothing reached an engine
+    assert [p.calls for p in r.test_pools] == [[], []]  # nothing reached an engine
     assert r.counters.requests == 0 and r.counters.rejected_400 == 0
 
 

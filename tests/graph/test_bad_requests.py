@@ -26,8 +26,8 @@ pytest.importorskip("ray.serve")
 from ray.exceptions import RayTaskError  # noqa: E402
 from starlette.requests import Request  # noqa: E402
 
-from disagg.graph.messages import DecodeChunk, InvalidRequest, PrefillReply, TokenLogprob  # noqa: E402
-from factories import BroadcastResults, idle_state  # noqa: E402
+from disagg.graph.messages import DecodeChunk, InvalidRequest, TokenLogprob  # noqa: E402
+from factories import StandInPool  # noqa: E402
 from disagg.graph.router import Router, fastapi_app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,45 +72,20 @@ class _Stream:
         pass
 
 
-class _Pool:
-    """A pool handle of replicas `ids`: answers state polls, prefill and decode calls, records them.
-    `error`: what every prefill or decode call raises (None: they work)."""
+class _Pool(StandInPool):
+    """Replicas `ids`. `error`: what every prefill or decode call raises (None: they work)."""
 
     def __init__(self, role: str, ids: list[str], error: Exception | None = None):
-        self.role, self.ids, self.error = role, ids, error
-        self.calls: list[tuple[str, str, dict]] = []
+        super().__init__(role, ids)
+        self.error = error
 
-    def broadcast(self, method):
-        return BroadcastResults([idle_state(r, self.role) for r in self.ids])
+    async def prefill_reply(self, call, replica):
+        if self.error is not None:
+            raise self.error
+        return await super().prefill_reply(call, replica)
 
-    def options(self, **kw):
-        return self
-
-    @property
-    def prefill(self):
-        pool = self
-
-        class _M:
-            def remote(self, call, replica=None):
-                pool.calls.append(("prefill", replica, call.sampling))
-
-                async def done():
-                    if pool.error is not None:
-                        raise pool.error
-                    return PrefillReply(kv_transfer_params={"remote": replica}, first_token_id=7,
-                                        engine_ttft_s=0.001, replica=replica)
-                return done()
-        return _M()
-
-    @property
-    def decode(self):
-        pool = self
-
-        class _M:
-            def remote(self, call, replica=None):
-                pool.calls.append(("decode", replica, call.sampling))
-                return _Stream(replica, call.sampling, pool.error)
-        return _M()
+    def decode_stream(self, call, replica):
+        return _Stream(replica, call.sampling, self.error)
 
 
 def _args(**router) -> dict:
@@ -456,7 +431,8 @@ def test_every_sampling_field_reaches_the_engine_and_no_ops_do_not():
         return prefill, decode, resp, out
     prefill, decode, resp, out = asyncio.run(run())
     assert resp.status_code == 200, out
-    (_, _, sampling), = [c for c in decode.calls]
+    (_, _, call), = decode.calls
+    sampling = call.sampling
     assert sampling == {"max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "ignore_eos": True, "top_k": 40,
                         "min_p": 0.05, "frequency_penalty": 0.5, "presence_penalty": -0.5,
                         "repetition_penalty": 1.1, "logit_bias": {5: -100.0, 6: 2.5}, "min_tokens": 2,

@@ -20,8 +20,8 @@ import yaml
 pytest.importorskip("ray.serve")
 from starlette.requests import Request  # noqa: E402
 
-from disagg.graph.messages import DecodeChunk, PrefillReply  # noqa: E402
-from factories import BroadcastResults, idle_state  # noqa: E402
+from disagg.graph.messages import DecodeChunk  # noqa: E402
+from factories import StandInPool  # noqa: E402
 from disagg.graph.router import Router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,42 +52,15 @@ class _Stream:
         pass
 
 
-class _Pool:
-    """A pool handle of replicas `ids`: answers state polls, prefill and decode calls, records them."""
+class _Pool(StandInPool):
+    """Replicas `ids`; decodes stream `max_tokens` one-token chunks, holding after the first until `hold`."""
 
     def __init__(self, role: str, ids: list[str], hold: asyncio.Event | None = None):
-        self.role, self.ids, self.hold = role, ids, hold
-        self.calls: list[tuple[str, str]] = []
+        super().__init__(role, ids)
+        self.hold = hold
 
-    def broadcast(self, method):
-        return BroadcastResults([idle_state(r, self.role) for r in self.ids])
-
-    def options(self, **kw):
-        return self
-
-    @property
-    def prefill(self):
-        pool = self
-
-        class _M:
-            def remote(self, call, replica=None):
-                pool.calls.append(("prefill", replica))
-
-                async def done():
-                    return PrefillReply(kv_transfer_params={"remote": replica}, first_token_id=7,
-                                        engine_ttft_s=0.001, replica=replica)
-                return done()
-        return _M()
-
-    @property
-    def decode(self):
-        pool = self
-
-        class _M:
-            def remote(self, call, replica=None):
-                pool.calls.append(("decode", replica))
-                return _Stream(replica, call.sampling["max_tokens"], 0.001, pool.hold)
-        return _M()
+    def decode_stream(self, call, replica):
+        return _Stream(replica, call.sampling["max_tokens"], 0.001, self.hold)
 
 
 def _args(disaggregated_tiny: bool = False) -> dict:

@@ -23,71 +23,59 @@ from starlette.requests import Request  # noqa: E402
 
 from disagg.core.ledger import AdmittedWork  # noqa: E402
 from disagg.core.types import Role  # noqa: E402
-from disagg.graph.messages import DecodeChunk, PrefillReply  # noqa: E402
-from factories import BroadcastResults, idle_state  # noqa: E402
+from disagg.graph.messages import DecodeChunk  # noqa: E402
+from factories import StandInPool, idle_state  # noqa: E402
 from disagg.graph.router import Router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class _Engines:
-    """A pool of stand-in engines: each keeps `AdmittedWork` like EngineServer; decodes hold until released."""
+class _Held:
+    """A decode stream that holds after its first token until released, with the engine's ledger
+    entry for the call open from the call's arrival until the stream ends (as in EngineServer)."""
+
+    def __init__(self, engines: "_Engines", call, replica: str):
+        self.engines, self.call, self.replica, self.i = engines, call, replica, 0
+        engines.admitted[replica].add(call.router, call.work_s)
+        engines.decoded_on.append(replica)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.i == 1:
+            await self.engines.release.wait()
+        if self.i == 2:
+            self.engines.admitted[self.replica].remove(self.call.router, self.call.work_s)
+            raise StopAsyncIteration
+        self.i += 1
+        return DecodeChunk((7,), "a", "length" if self.i == 2 else None,
+                           replica=self.replica if self.i == 1 else None, engine_first_token_s=0.001)
+
+    def cancel(self):
+        pass
+
+
+class _Engines(StandInPool):
+    """A pool of stand-in engines: each keeps `AdmittedWork` like EngineServer and reports it in its
+    state; decodes hold until released."""
 
     def __init__(self, role: Role, ids: list[str]):
-        self.role, self.ids = role, ids
+        super().__init__(role, ids)
         self.admitted = {r: AdmittedWork() for r in ids}
         self.release = asyncio.Event()
         self.decoded_on: list[str] = []
 
-    def broadcast(self, method):
-        return BroadcastResults([idle_state(r, self.role, self.admitted[r].totals()) for r in self.ids])
+    def state(self, replica):
+        return idle_state(replica, self.role, self.admitted[replica].totals())
 
-    def options(self, **kw):
-        return self
+    async def prefill_reply(self, call, replica):
+        self.admitted[replica].add(call.router, call.work_s)
+        self.admitted[replica].remove(call.router, call.work_s)
+        return await super().prefill_reply(call, replica)
 
-    @property
-    def prefill(self):
-        engines = self
-
-        class _M:
-            def remote(self, call, replica=None):
-                async def run():
-                    engines.admitted[replica].add(call.router, call.work_s)
-                    engines.admitted[replica].remove(call.router, call.work_s)
-                    return PrefillReply({"remote": replica}, 7, 0.001, replica)
-                return run()
-        return _M()
-
-    @property
-    def decode(self):
-        engines = self
-
-        class _Stream:
-            def __init__(self, call, replica):
-                self.call, self.replica, self.i = call, replica, 0
-                engines.admitted[replica].add(call.router, call.work_s)
-                engines.decoded_on.append(replica)
-
-            def __aiter__(self):
-                return self
-
-            async def __anext__(self):
-                if self.i == 1:
-                    await engines.release.wait()
-                if self.i == 2:
-                    engines.admitted[self.replica].remove(self.call.router, self.call.work_s)
-                    raise StopAsyncIteration
-                self.i += 1
-                return DecodeChunk((7,), "a", "length" if self.i == 2 else None,
-                                   replica=self.replica if self.i == 1 else None, engine_first_token_s=0.001)
-
-            def cancel(self):
-                pass
-
-        class _M:
-            def remote(self, call, replica=None):
-                return _Stream(call, replica)
-        return _M()
+    def decode_stream(self, call, replica):
+        return _Held(self, call, replica)
 
 
 def _args() -> dict:

@@ -17,63 +17,43 @@ pytest.importorskip("ray.serve")
 
 from starlette.requests import Request  # noqa: E402
 
-from disagg.graph.messages import DecodeChunk, PrefillReply  # noqa: E402
+from disagg.graph.messages import DecodeChunk  # noqa: E402
 from disagg.graph.router import Router  # noqa: E402
-from factories import BroadcastResults, idle_state  # noqa: E402
+from factories import StandInPool, idle_state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_NUM_SEQS = 64  # deployments/local.yaml
 
 
-class _Pool:
-    def __init__(self, role: str, ids: list[str]):
-        self.role, self.ids, self.queued, self.calls = role, ids, 0, 0
+class _OneToken:
+    """A decode stream of one token."""
 
-    def broadcast(self, method):  # every engine holds `queued` calls of 2 s each from another router
-        return BroadcastResults([idle_state(r, self.role, {"other": (2.0 * self.queued, self.queued)} if self.queued
-                                            else None) for r in self.ids])
+    def __init__(self, replica):
+        self.replica, self.sent = replica, False
 
-    def options(self, **kw):
+    def __aiter__(self):
         return self
 
-    @property
-    def prefill(self):
-        pool = self
+    async def __anext__(self):
+        if self.sent:
+            raise StopAsyncIteration
+        self.sent = True
+        return DecodeChunk((7,), "a", "length", replica=self.replica, engine_first_token_s=0.001)
 
-        class _M:
-            def remote(self, call, replica=None):
-                pool.calls += 1
+    def cancel(self):
+        pass
 
-                async def done():
-                    return PrefillReply({"remote": replica}, 7, 0.001, replica)
-                return done()
-        return _M()
 
-    @property
-    def decode(self):
-        pool = self
+class _Pool(StandInPool):
+    """Every engine holds `queued` calls of 2 s each from another router (its own ledger says so)."""
 
-        class _Stream:
-            def __init__(self, replica):
-                self.replica, self.sent = replica, False
+    queued = 0
 
-            def __aiter__(self):
-                return self
+    def state(self, replica):
+        return idle_state(replica, self.role, {"other": (2.0 * self.queued, self.queued)} if self.queued else None)
 
-            async def __anext__(self):
-                if self.sent:
-                    raise StopAsyncIteration
-                self.sent = True
-                return DecodeChunk((7,), "a", "length", replica=self.replica, engine_first_token_s=0.001)
-
-            def cancel(self):
-                pass
-
-        class _M:
-            def remote(self, call, replica=None):
-                pool.calls += 1
-                return _Stream(replica)
-        return _M()
+    def decode_stream(self, call, replica):
+        return _OneToken(replica)
 
 
 def _request(slo: str) -> Request:
@@ -105,11 +85,11 @@ def test_overload_is_refused_fast_loose_first_and_served_again_after_the_drain()
             decode.queued = queued
             await r.poll_once()
             for slo in ("loose", "tight"):
-                before, calls, t0 = len(tokenized), prefill.calls + decode.calls, time.perf_counter()
+                before, calls, t0 = len(tokenized), len(prefill.calls) + len(decode.calls), time.perf_counter()
                 resp = await r._handle(_request(slo), chat=False)
                 out[-1].append(
                     (slo, resp.status_code, resp.headers.get("retry-after"), time.perf_counter() - t0,
-                     len(tokenized) - before, prefill.calls + decode.calls - calls))
+                     len(tokenized) - before, len(prefill.calls) + len(decode.calls) - calls))
         return out, r.counters
 
     (idle, loaded, overloaded, drained), counters = asyncio.run(scenario())
