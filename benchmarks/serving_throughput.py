@@ -496,27 +496,25 @@ def markdown(summary: dict, systems: list[str]) -> str:
         ratio = f"{x['ratio_to_B']:.2f}×" if "ratio_to_B" in x else "—"
         lines.append(f"| {x['label']} | {x['tok_s_median']:.0f} ({x['tok_s_min']:.0f}–{x['tok_s_max']:.0f}) | "
                      f"{x['ttft_p50_ms']:.0f} ms | {x['ttft_p99_ms']:.0f} ms | {ratio} |")
-    seq = summary.get("sequential") or {}
-    if seq:
-        lines += ["", "| one request at a time (unloaded) | TTFT p50 | TTFT p99 | single-stream tok/s (median) | n |",
-                  "| --- | --- | --- | --- | --- |"]
-        for s in systems:
-            if s in seq:
-                x = seq[s]
-                lines.append(f"| {x['label']} | {x['ttft_p50_ms']:.1f} ms | {x['ttft_p99_ms']:.1f} ms | "
-                             f"{x['tok_s_median']:.0f} | {x['n']} |")
-    short = summary.get("short") or {}
-    if short:
-        lines += ["", "| short requests (1 output token, {short_concurrency} at a time) | completed req/s | ok |",
-                  "| --- | --- | --- |"]
-        for s in systems:
-            if s in short:
-                x = short[s]
-                lines.append(f"| {x['label']} | {x['req_s']:.0f} | {x['ok']}/{x['requests']} |")
+    lines += _system_table(
+        ["one request at a time (unloaded)", "TTFT p50", "TTFT p99", "single-stream tok/s (median)", "n"],
+        summary.get("sequential") or {}, systems,
+        lambda x: [f"{x['ttft_p50_ms']:.1f} ms", f"{x['ttft_p99_ms']:.1f} ms", f"{x['tok_s_median']:.0f}", str(x["n"])])
+    lines += _system_table(
+        ["short requests (1 output token, {short_concurrency} at a time)", "completed req/s", "ok"],
+        summary.get("short") or {}, systems, lambda x: [f"{x['req_s']:.0f}", f"{x['ok']}/{x['requests']}"])
     for key, title in (("hop", "A, per request at {streams} concurrent streams (router log joined by id)"),
                        ("hop_sequential", "A, per request, one at a time (router log joined by id)")):
         lines += _hop_table(summary.get(key) or {}, title)
     return "\n".join(lines)
+
+
+def _system_table(header: list[str], per_system: dict, systems: list[str], cells) -> list[str]:
+    """A markdown table after a blank line: one row per system present, its label then `cells(x)`."""
+    if not per_system:
+        return []
+    rows = [f"| {per_system[s]['label']} | " + " | ".join(cells(per_system[s])) + " |" for s in systems if s in per_system]
+    return ["", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header), *rows]
 
 
 def _hop_table(hop: dict, title: str) -> list[str]:
