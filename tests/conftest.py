@@ -23,12 +23,12 @@ def stack(tmp_path_factory):
     os.environ["DISAGG_RUN_DIR"] = str(run_dir)  # where the router writes its request log
     with LocalStack(ROOT / "deployments" / "local.yaml", log=lambda m: print(f"[stack] {m}", flush=True)) as s:
         s.run_dir = run_dir
-        s.provoked = UNPROVOKED.copy()  # tests that cause a failure on purpose count it here
-        engines = set(engine_processes(s.stack_id))
+        s.provoked = UNPROVOKED.copy()  # tests that cause a failure on purpose count it here (unprovoked.provoked)
+        s.engines_at_start = set(engine_processes(s.stack_id))  # ... and what they kill (unprovoked.killed_on_purpose)
         s.initial_state = _admin_state(s.base_url)  # before any test's request: what start-up did
-        instances = set(s.initial_state["instances"])
+        s.instances_at_start = set(s.initial_state["instances"])
         yield s
-        _assert_nothing_failed_unprovoked(s, engines, instances)
+        _assert_nothing_failed_unprovoked(s)
 
 
 def _admin_state(base_url: str) -> dict:
@@ -39,13 +39,14 @@ def _admin_state(base_url: str) -> dict:
         return json.load(r)
 
 
-def _assert_nothing_failed_unprovoked(stack, engines: set[int], instances: set[str]) -> None:
+def _assert_nothing_failed_unprovoked(stack) -> None:
     """Fail the session loudly on any engine death, replacement, fallback or retry no test provoked."""
     from disagg.graph.launch import engine_processes
 
     state = _admin_state(stack.base_url)
-    problems = unprovoked_failures(state["counters"], stack.provoked, engines, set(engine_processes(stack.stack_id)),
-                                   instances, set(state["instances"]))
+    problems = unprovoked_failures(state["counters"], stack.provoked, stack.engines_at_start,
+                                   set(engine_processes(stack.stack_id)), stack.instances_at_start,
+                                   set(state["instances"]))
     assert not problems, "unprovoked failures during the live session: " + "; ".join(problems)
 
 

@@ -171,6 +171,20 @@ class StandInPool:
     def decode(self) -> "_PinnedMethod":
         return _PinnedMethod(self, "decode", self.decode_stream)
 
+    async def release_reply(self, call, replica: str) -> None:
+        return None
+
+    async def abort_reply(self, request_id, replica: str) -> None:
+        return None
+
+    @property
+    def abort(self) -> "_PinnedMethod":
+        return _PinnedMethod(self, "abort", self.abort_reply)
+
+    @property
+    def release_kv(self) -> "_PinnedMethod":
+        return _PinnedMethod(self, "release_kv", self.release_reply)
+
 
 class _PinnedMethod:
     """`pool.<method>.remote(call, replica=...)`, as a Serve handle offers it."""
@@ -178,6 +192,7 @@ class _PinnedMethod:
     def __init__(self, pool: StandInPool, name: str, answer) -> None:
         self.pool, self.name, self.answer = pool, name, answer
 
-    def remote(self, call, replica: str | None = None):
+    def remote(self, *args, replica: str | None = None):
+        call = args[0] if len(args) == 1 else args  # release_kv(request_id, kv_transfer_params): both
         self.pool.calls.append((self.name, replica, call))
         return self.answer(call, replica)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 # Router counters that only an engine fault, a platform bug or a routing bug moves.
-UNPROVOKED = {"prefill_retries": 0, "local_prefill_fallbacks": 0, "decode_retries": 0, "misrouted": 0,
-              "failed": 0, "instances_lost": 0}
+UNPROVOKED = {"prefill_retries": 0, "local_prefill_fallbacks": 0, "decode_retries": 0, "migrations": 0,
+              "misrouted": 0, "failed": 0, "instances_lost": 0}
 
 
 def unprovoked_failures(counters: Mapping[str, int], provoked: Mapping[str, int], engines_before: set[int],
@@ -25,3 +25,20 @@ def unprovoked_failures(counters: Mapping[str, int], provoked: Mapping[str, int]
     if gone := instances_before - instances_after:
         problems.append(f"engine replicas left or were replaced: {sorted(gone)}")
     return problems
+
+
+def provoked(stack, before: Mapping[str, int], after: Mapping[str, int], expected: Mapping[str, int]) -> None:
+    """A test that caused faults on purpose: the fault counters moved by exactly `expected` (the
+    others by nothing) between its `before` and `after` readings, and the session's tally of what
+    was provoked takes that in."""
+    moved = {k: after[k] - before[k] for k in UNPROVOKED if after[k] != before[k]}
+    assert moved == {k: v for k, v in expected.items() if v}, f"fault counters moved by {moved}, expected {expected}"
+    for k, v in moved.items():
+        stack.provoked[k] += v
+
+
+def killed_on_purpose(stack, engine_pids: set[int], instance: str) -> None:
+    """A test killed this replica's engine (and Serve replaced the replica): its processes and its
+    instance leave the session's baseline; its replacement is held to the same check from now on."""
+    stack.engines_at_start -= engine_pids
+    stack.instances_at_start.discard(instance)

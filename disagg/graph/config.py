@@ -151,6 +151,9 @@ class RouterSettings(_Strict):
     request_log: str | None = Field(default=None, description="JSON-lines file, one record per request")
     num_cpus: float = Field(default=0.1, ge=0)
     prefill_retries: int = Field(default=1, ge=0, description="other prefill instances tried after a failure")
+    migration_limit: int = Field(default=1, ge=0, description="times a request whose decode instance fails "
+                                 "mid-stream is continued on another one (its prompt and the tokens so far "
+                                 "prefilled there); 0 = end the stream with an error instead")
     shed_queue_factor: float = Field(default=2.0, ge=0, description="answer 429 + Retry-After when every decode "
                                      "instance already holds this many times engine.max_num_seqs requests (tight "
                                      "requests: twice that); 0 = never shed (disagg.core.admission)")

@@ -11,9 +11,16 @@ Per request (a `Flight`), after the ingress has validated and tokenized it:
    replica, which prefills locally;
 4. stream (or collect) the tokens; on the first token the KV has left the prefill instance
    (`ledger.prefill_done`); at the end `ledger.finish`, the predictor learns the natural output
-   length, and the request log gets one line with the decision and its per-term costs.
+   length, and the request log gets one line with the decision and its per-term costs;
+5. a decode that fails mid-stream is migrated (`migration_limit` times at most): another decode
+   instance prefills the prompt plus the tokens generated so far and streams the rest, so the
+   client gets the whole answer in one stream (the same text, under greedy sampling). A request
+   with structured output is not migrated: its grammar cannot resume mid-answer.
 A client that goes away cancels the in-flight prefill or decode call; Serve propagates the
-cancellation into the engine replica, where vLLM aborts the request.
+cancellation into the engine replica, where vLLM aborts the request. A prefill's KV that no decode
+will pull (the client left, or the decode failed over to a local prefill) is released at once
+through the decode engine (`release_kv`), instead of pinning the prefill engine's blocks until
+their lease runs out.
 An engine that refuses the request itself (`messages.InvalidRequest`: vLLM's validation, e.g. a
 schema it cannot compile) makes it a 400 naming the field, at once: no other instance is tried, and
 no retry or failure is counted (another engine would refuse it too; the instance is healthy).
@@ -31,9 +38,10 @@ leaves out the KV transfer and the decode engine's first step).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from disagg.core.ledger import Ledger, admission_work
@@ -50,6 +58,7 @@ from disagg.graph.request_log import Counters, RequestLog, request_record
 from disagg.graph.served_model import ServedModel
 
 logger = logging.getLogger("ray.serve")
+ABANDONED_PREFILL_WAIT_S = 60.0  # how long a cancelled request's prefill is awaited to release its KV
 
 
 @dataclass(slots=True)
@@ -83,6 +92,8 @@ class Flight:
     stream: Any = None  # the decode's response stream
     first_chunk: DecodeChunk | None = None  # received before answering, relayed first
     generated: int = 0  # output tokens relayed so far
+    output_ids: list[int] = field(default_factory=list)  # ... and their ids (a migration prefills them)
+    migrated_from: list[str] = field(default_factory=list)  # decode instances that failed mid-stream
     finish_reason: str | None = None
     finished: bool = False
 
@@ -115,6 +126,23 @@ def _bad_request(f: "Flight", refused: InvalidRequest) -> ApiError:
     return ApiError(f"{param}: {refused.message}" if param else refused.message, param=param)
 
 
+def _detached(step) -> asyncio.Task:
+    """A task outside the current request's context: Serve cancels every call made in a request's
+    context when the request is cancelled, and these calls must outlive it."""
+    return asyncio.get_running_loop().create_task(step, context=contextvars.Context())
+
+
+def continuation_sampling(sampling: dict, generated: int) -> dict:
+    """The sampling settings that continue a completion after `generated` of its tokens, once those
+    are part of the prompt: fewer tokens left to generate and to force."""
+    s = dict(sampling, max_tokens=sampling["max_tokens"] - generated)
+    if "min_tokens" in s:
+        s["min_tokens"] = max(0, s["min_tokens"] - generated)
+        if not s["min_tokens"]:
+            del s["min_tokens"]
+    return s
+
+
 def _no_capacity(e: NoCapacity) -> ApiError:
     return ApiError(f"no capacity: {e}", status=503, kind="service_unavailable")
 
@@ -123,7 +151,8 @@ class Dispatcher:
     """Runs each request through the engines; keeps the requests in flight (`flights`)."""
 
     def __init__(self, registry: InstanceRegistry, ledger: Ledger, counters: Counters, log: RequestLog,
-                 accuracy: AccuracyTable, prefill_retries: int, multi_model: bool, router_id: str = "") -> None:
+                 accuracy: AccuracyTable, prefill_retries: int, multi_model: bool, router_id: str = "",
+                 migration_limit: int = 1) -> None:
         self.registry = registry
         self.router_id = router_id  # this router replica: engines keep their ledger of our calls under it
         self.ledger = ledger
@@ -131,9 +160,11 @@ class Dispatcher:
         self.log = log
         self.accuracy = accuracy
         self.prefill_retries = prefill_retries
+        self.migration_limit = migration_limit
         self.multi_model = multi_model
         self.alias_predictor = BucketMeanPredictor()  # output lengths of alias requests, across models
         self.flights: dict[str, Flight] = {}  # admitted and not finished, in admission order
+        self._background: set[asyncio.Task] = set()  # KV releases under way (held: tasks are weakly referenced)
 
     async def start(self, f: Flight, alias_prompts: dict[str, list[int]] | None = None) -> None:
         """Route, prefill, and get the first token (so errors still have a status code).
@@ -146,7 +177,14 @@ class Dispatcher:
             await self._route_and_admit(f)
             kv = None if f.decision.colocated else await self._prefill(f)
             f.prefilled = True
-            await self._first_token(f, kv)
+            try:
+                await self._first_token(f, kv)
+            except BaseException:
+                if kv is not None:  # its KV waits on the prefill engine for a pull that will not come
+                    self._release_kv(f, kv)
+                raise
+            if kv is not None and f.fallback == "decode_retry_local_prefill":  # ... nor will it here
+                self._release_kv(f, kv)
         except ApiError as e:
             if e.status < 500:
                 self.counters.rejected_400 += 1  # the request's fault: no instance failed
@@ -158,6 +196,31 @@ class Dispatcher:
             self.counters.cancelled += 1
             self.finish(f, error="cancelled by client")
             raise
+
+    def _release_kv(self, f: Flight, kv: dict) -> None:
+        """Have the chosen decode engine tell the prefill engine to free `f`'s KV now (not at the
+        end of its lease): the request went away, or failed, before its decode pulled it. In the
+        background: the request's own task is being cancelled. A decode that had started pulling
+        has freed it already; the second notice is ignored."""
+        inst = self.registry.get(f.decision.decode_id)
+        if inst is None:
+            return
+        handle = f.model.handles[f.model.decode_role]
+
+        async def release() -> None:
+            await handle.release_kv.remote(f"{f.rid}-release", kv, replica=inst.replica)
+        self._in_background(release())
+
+    def _in_background(self, step) -> None:
+        """Run `step` beyond the request's own task (which is being cancelled or has ended)."""
+        task = _detached(step)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("router: releasing an abandoned prefill's KV failed: %s", _last_line(task.exception()))
 
     # --- the routing decision ------------------------------------------------------------------
 
@@ -246,7 +309,7 @@ class Dispatcher:
             tried.append(target)
             call = PrefillCall(f"{f.rid}-p{attempt}", f.prompt_ids, f.sampling, self.router_id, f.work_s[0])
             try:
-                reply: PrefillReply = await m.handles[Role.PREFILL].prefill.remote(call, replica=inst.replica)
+                reply: PrefillReply = await self._prefill_call(f, inst, call)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a dead or failing prefill replica: try another, then go local
@@ -269,6 +332,47 @@ class Dispatcher:
         f.actual_prefill = f.decision.decode_id
         return None
 
+    async def _open(self, f: Flight, inst: Instance, call: DecodeCall) -> tuple[Any, DecodeChunk]:
+        """Start `call` on `inst`; its response stream and first chunk. An engine's refusal is a 400;
+        any other failure propagates (the stream cancelled)."""
+        stream = f.model.decode_stream.decode.remote(call, replica=inst.replica)
+        try:
+            first: DecodeChunk = await stream.__anext__()
+        except StopAsyncIteration:
+            raise RuntimeError("decode ended without output") from None
+        except BaseException as e:  # cancellation included: the engine aborts the request
+            stream.cancel()
+            if isinstance(e, Exception) and (refused := _refused(e)) is not None:
+                raise _bad_request(f, refused) from None
+            raise
+        if first.replica != inst.replica:
+            self.counters.misrouted += 1
+        return stream, first
+
+    async def _prefill_call(self, f: Flight, inst: Instance, call: PrefillCall) -> PrefillReply:
+        """The prefill call on `inst`, which a cancelled request does not simply drop: the engine
+        may have finished the prefill as the cancellation arrived, and then holds the prompt's KV
+        for a pull that will never come. So the call is shielded; on cancellation the engine is told
+        to abort it, and if the prefill had finished all the same, its KV is released (`_release_kv`)."""
+        pool = f.model.handles[Role.PREFILL]
+
+        async def run() -> PrefillReply:
+            return await pool.prefill.remote(call, replica=inst.replica)
+        task = _detached(run())
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._in_background(self._abandon_prefill(f, inst, call, task))
+            raise
+
+    async def _abandon_prefill(self, f: Flight, inst: Instance, call: PrefillCall, task: asyncio.Task) -> None:
+        await f.model.handles[Role.PREFILL].abort.remote(call.request_id, replica=inst.replica)
+        try:
+            reply = await asyncio.wait_for(task, ABANDONED_PREFILL_WAIT_S)
+        except Exception:  # aborted before its end (nothing is held), or the replica failed
+            return
+        self._release_kv(f, reply.kv_transfer_params)
+
     async def _first_token(self, f: Flight, kv: dict | None) -> None:
         m = f.model
         targets = [f.decision.decode_id] + [i.instance_id for i in self.registry.pool(m, m.decode_role)
@@ -280,19 +384,11 @@ class Dispatcher:
                 continue
             call = DecodeCall(f"{f.rid}-d{n}", f.prompt_ids, f.sampling, kv if n == 0 else None, self.router_id,
                               f.work_s[1])
-            stream = m.decode_stream.decode.remote(call, replica=inst.replica)
             try:
-                first: DecodeChunk = await stream.__anext__()
-            except asyncio.CancelledError:
-                stream.cancel()
+                f.stream, f.first_chunk = await self._open(f, inst, call)
+            except (asyncio.CancelledError, ApiError):
                 raise
-            except StopAsyncIteration:
-                last_error = RuntimeError("decode ended without output")
-                continue
             except Exception as e:
-                stream.cancel()
-                if (refused := _refused(e)) is not None:
-                    raise _bad_request(f, refused) from None
                 logger.warning("router: decode of %s on %s failed before its first token: %s", f.rid, target,
                                _last_line(e))
                 last_error = e
@@ -300,29 +396,74 @@ class Dispatcher:
                 if n == 0 and kv is not None:
                     f.fallback = "decode_retry_local_prefill"
                 continue
-            if first.replica != inst.replica:
-                self.counters.misrouted += 1
             f.actual_decode = target
             if n > 0 or f.actual_prefill is None:  # prefilled locally on this decode instance
                 f.actual_prefill = target
-            f.stream, f.first_chunk = stream, first
             f.t_first = time.monotonic()
-            f.decode_engine_first_s = first.engine_first_token_s
+            f.decode_engine_first_s = f.first_chunk.engine_first_token_s
             self.ledger.prefill_done(f.rid)
             return
         raise ApiError(f"no decode instance could serve the request: {_last_line(last_error)}", status=503,
                        kind="service_unavailable")
 
+    async def _migrate(self, f: Flight, error: Exception) -> DecodeChunk | None:
+        """Continue `f` after its decode instance failed mid-stream with `error`: another decode
+        instance prefills the prompt plus the tokens so far and streams the rest. Returns the new
+        stream's first chunk (None: nothing was left to generate); ApiError (502) when the request
+        may not migrate (`migration_limit` reached, structured output) or no instance could take it."""
+        m = f.model
+        reason = _last_line(error)
+        logger.warning("router: decode of %s on %s failed after %d tokens: %s", f.rid, f.actual_decode,
+                       f.generated, reason)
+        left = f.sampling["max_tokens"] - f.generated
+        if left <= 0:  # the engine failed after the last token, before saying so
+            f.finish_reason = "length"
+            return None
+        if f.sampling.get("structured_outputs") is not None:
+            reason += " (a structured-output request is not migrated)"
+        while len(f.migrated_from) < self.migration_limit and f.sampling.get("structured_outputs") is None:
+            f.migrated_from.append(f.actual_decode)
+            others = [i for i in self.registry.pool(m, m.decode_role) if i.instance_id not in f.migrated_from]
+            if not others:
+                reason += " (no other decode instance)"
+                break
+            inst = min(others, key=lambda i: self.ledger.backlog_s(i.instance_id))
+            self.counters.migrations += 1
+            prompt = f.prompt_ids + f.output_ids
+            predicted = max(1, min(left, (f.predicted or left) - f.generated))
+            pw, dw = admission_work(m.cost_model, inst.instance_id, inst.instance_id, len(prompt), predicted,
+                                    self.ledger.queued(inst.instance_id))
+            self.ledger.finish(f.rid)  # its work moves to the new instance
+            self.ledger.admit(f.rid, inst.instance_id, inst.instance_id, pw, dw, len(prompt))
+            f.work_s = (pw, dw)
+            call = DecodeCall(f"{f.rid}-m{len(f.migrated_from)}", prompt, continuation_sampling(f.sampling, f.generated),
+                              None, self.router_id, dw)
+            try:
+                f.stream, first = await self._open(f, inst, call)
+            except (asyncio.CancelledError, ApiError):
+                raise
+            except Exception as e:
+                logger.warning("router: migration of %s to %s failed: %s", f.rid, inst.instance_id, _last_line(e))
+                f.actual_decode, reason = inst.instance_id, _last_line(e)
+                continue
+            logger.info("router: %s migrated from %s to %s after %d tokens", f.rid, f.migrated_from[-1],
+                        inst.instance_id, f.generated)
+            f.actual_decode = inst.instance_id
+            self.ledger.prefill_done(f.rid)
+            return first
+        raise ApiError(f"decode failed after {f.generated} tokens: {reason}", status=502, kind="upstream_error")
+
     # --- relaying the tokens, and the end ------------------------------------------------------
 
     async def chunks(self, f: Flight) -> AsyncIterator[DecodeChunk]:
         """The decode's chunks, the first one included; finishes the request when they end.
-        A decode that fails mid-stream raises ApiError (502)."""
+        A decode that fails mid-stream is migrated (`_migrate`); if it cannot be, ApiError (502)."""
         error = None
         try:
             chunk = f.first_chunk
             while chunk is not None:
                 f.generated += len(chunk.token_ids)
+                f.output_ids.extend(chunk.token_ids)
                 if chunk.finish_reason:
                     f.finish_reason = chunk.finish_reason
                 yield chunk
@@ -330,10 +471,18 @@ class Dispatcher:
                     chunk = await f.stream.__anext__()
                 except StopAsyncIteration:
                     chunk = None
+                except Exception as e:
+                    f.stream.cancel()
+                    # failed after its last token (the end was sent): nothing is missing
+                    chunk = None if f.finish_reason else await self._migrate(f, e)
         except (asyncio.CancelledError, GeneratorExit):
             error = "cancelled by client"
             self.counters.cancelled += 1
             f.stream.cancel()
+            raise
+        except ApiError as e:
+            error = e.message
+            self.counters.failed += 1
             raise
         except Exception as e:
             error = f"decode failed after {f.generated} tokens: {_last_line(e)}"

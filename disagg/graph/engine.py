@@ -318,6 +318,13 @@ def _stat_logger_factory(recorder: _StatsRecorder) -> Callable[..., Any]:
 # The engine
 # --------------------------------------------------------------------------------------------
 
+ABORTED_IDS_KEPT = 1024
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted (`abort`) before it ended: it holds nothing."""
+
+
 class VllmEngine:
     """One vLLM `AsyncLLM` with the NixlConnector, driven through prefill / decode / state.
 
@@ -332,6 +339,7 @@ class VllmEngine:
         self._llm: AsyncLLM | None = None
         self._stats = _StatsRecorder()
         self._kv_capacity_tokens = 0
+        self._aborted: dict[str, None] = {}  # ids aborted on request, oldest first (an ordered set)
         self.start_time_s: float | None = None  # how long start() took
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -444,7 +452,10 @@ class VllmEngine:
                                                    params, request_id):
                 final = out
         ttft = time.perf_counter() - t0
+        aborted = self._aborted.pop(request_id, None) is not None
         if final is None or not final.outputs or not final.outputs[0].token_ids:
+            if aborted:  # stopped on purpose: vLLM ends the stream without output
+                raise RequestAborted(f"prefill of {request_id!r} was aborted")
             raise RuntimeError(f"prefill of {request_id!r} produced no output")
         if not final.kv_transfer_params:
             raise RuntimeError(f"prefill of {request_id!r} ended "
@@ -483,7 +494,16 @@ class VllmEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort an in-flight request; unknown or finished ids are ignored."""
+        self._aborted[request_id] = None
+        while len(self._aborted) > ABORTED_IDS_KEPT:  # ids of requests that had already ended
+            self._aborted.pop(next(iter(self._aborted)))
         await self._engine.abort(request_id)
+
+    async def release_kv(self, request_id: str, kv_transfer_params: Mapping[str, Any]) -> None:
+        """Free a remote prefill's KV that this engine will never pull (its request went away
+        between the prefill and the pull): vLLM submits a pre-aborted request whose connector
+        hook tells the prefill engine to free the blocks now, not when their lease runs out."""
+        await self._engine.notify_kv_transfer_request_rejected(request_id, dict(kv_transfer_params))
 
     # -- signals and maintenance -------------------------------------------------------------
 

@@ -6,7 +6,8 @@ Called by the router deployment through the pool's handle with `replica=<this re
 - `decode(call)`: a stream of token chunks; pulls the KV over NIXL when `kv_transfer_params` is
   given, prefills locally when it is None (colocated, or the fallback after a failed prefill);
 - `state()`: load signals, polled by the router every `poll_interval_s`;
-- `abort(request_id)`, `reset_prefix_cache()`: control plane.
+- `abort(request_id)`, `release_kv(request_id, kv_transfer_params)` (free a prefill's KV that will
+  never be pulled), `reset_prefix_cache()`: control plane.
 Every reply names the replica that produced it, so the router can verify the pinning.
 
 Each replica claims a NIXL side-channel port at start from the range the config owns
@@ -34,7 +35,7 @@ from ray.serve.handle import DeploymentHandle
 from disagg.core.ledger import AdmittedWork
 from disagg.core.types import Role
 from disagg.graph.config import AppConfig
-from disagg.graph.engine import EngineSpec, VllmEngine
+from disagg.graph.engine import EngineSpec, RequestAborted, VllmEngine
 from disagg.graph.messages import (
     DecodeCall, DecodeChunk, EngineStateReport, InvalidRequest, PrefillCall, PrefillReply,
 )
@@ -244,8 +245,8 @@ class EngineServer:
         self.admitted.add(call.router, call.work_s)
         try:
             r = await self.engine.prefill(call.request_id, call.prompt_token_ids, call.sampling)
-        except InvalidRequest:
-            raise  # the request's fault, not this engine's: it crosses Ray as itself (the router's 400)
+        except (InvalidRequest, RequestAborted):
+            raise  # the request's fault, or its router's wish: not this engine's failure (nothing logged)
         except Exception as e:
             raise _with_cause(e) from e
         finally:
@@ -290,6 +291,9 @@ class EngineServer:
     async def abort(self, request_id: str, replica: str | None = None) -> None:
         await self.engine.abort(request_id)
 
+    async def release_kv(self, request_id: str, kv_transfer_params: dict, replica: str | None = None) -> None:
+        await self.engine.release_kv(request_id, kv_transfer_params)
+
     async def state(self) -> EngineStateReport:
         s = await self.engine.state()
         return EngineStateReport(
@@ -297,7 +301,7 @@ class EngineServer:
             kv_used_tokens=s.kv_used_tokens, kv_capacity_tokens=s.kv_capacity_tokens,
             prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
             kv_transfers_ok=s.kv_transfers_ok, kv_transfers_failed=s.kv_transfers_failed,
-            kv_received_tokens=s.kv_received_tokens, admitted=self.admitted.totals())
+            kv_received_tokens=s.kv_received_tokens, admitted=self.admitted.totals(), pid=os.getpid())
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()

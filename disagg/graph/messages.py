@@ -105,6 +105,7 @@ class EngineStateReport:
     kv_transfers_failed: int  # KV transfers that failed
     kv_received_tokens: int  # prompt tokens whose KV arrived from a remote engine
     admitted: dict[str, tuple[float, int]] = field(default_factory=dict)  # router → (work s, calls) it is serving
+    pid: int = 0  # the replica's process (its vLLM engine processes are its children)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe (the role as its value), for `/admin/state`."""

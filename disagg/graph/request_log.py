@@ -30,6 +30,7 @@ class Counters:
     prefill_retries: int = 0  # prefill calls that failed (each retried elsewhere or locally)
     local_prefill_fallbacks: int = 0  # requests prefilled on their decode instance: no prefill instance could
     decode_retries: int = 0  # decode calls that failed before their first token
+    migrations: int = 0  # decodes continued on another instance after theirs failed mid-stream
     misrouted: int = 0  # calls answered by another replica than the one they were pinned to
     cancelled: int = 0  # requests the client went away from
     instances_lost: int = 0  # engine instances that stopped answering polls (died, or scaled down)
@@ -62,6 +63,7 @@ def request_record(f: "Flight", error: str | None, now: float, multi_model: bool
         "max_tokens": f.sampling["max_tokens"], "predicted_output_tokens": f.predicted,
         "output_tokens": f.generated, "finish_reason": f.finish_reason, "error": error,
         "prefill": f.actual_prefill, "decode": f.actual_decode, "fallback": f.fallback,
+        "migrated_from": f.migrated_from or None,
         "decision": f.decision.as_dict() if f.decision else None, "decision_us": f.decision_us,
         "ttft_s": (f.t_first - f.t_arrival) if f.t_first and f.t_arrival else None,
         "e2e_s": (now - f.t_arrival) if f.t_arrival else None,

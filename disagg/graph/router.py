@@ -156,7 +156,7 @@ class Router:
         self.registry = InstanceRegistry(self.served, self.ledger, self.counters, rc.poll_interval_s, self.router_id)
         self.dispatcher = Dispatcher(self.registry, self.ledger, self.counters, RequestLog(rc.request_log),
                                      accuracy, rc.prefill_retries, multi_model=bool(self.alias),
-                                     router_id=self.router_id)
+                                     router_id=self.router_id, migration_limit=rc.migration_limit)
         self.flights = self.dispatcher.flights  # the requests in flight, for inspection
         self.admin = Admin(self.served, self.registry, self.ledger, self.counters, self.alias, self.lam,
                            replica_index=rank, cost_model_files=CostModelFiles.from_settings(rc))

@@ -336,7 +336,11 @@ def test_an_engine_refusing_the_request_is_a_400_without_retry(where, param, bod
     c = r.counters
     assert (c.prefill_retries, c.decode_retries, c.failed, c.local_prefill_fallbacks) == (0, 0, 0, 0)
     assert c.rejected_400 == 1 and r.flights == {} and len(r.ledger) == 0
-    assert len(prefill.calls) == 1 and len(decode.calls) == (1 if where == "decode" else 0)  # tried once only
+    decodes = [c for c in decode.calls if c[0] == "decode"]
+    assert len(prefill.calls) == 1 and len(decodes) == (1 if where == "decode" else 0)  # tried once only
+    # a prefill's KV the refusing decode will never pull is released there
+    releases = [(replica, call[1]) for name, replica, call in decode.calls if name == "release_kv"]
+    assert releases == ([(decodes[0][1], decodes[0][2].kv_transfer_params)] if where == "decode" else [])
 
 
 def test_an_engine_fault_is_still_retried_on_another_instance():
@@ -347,7 +351,10 @@ def test_an_engine_fault_is_still_retried_on_another_instance():
         return r, decode, resp, out
     r, decode, resp, out = asyncio.run(run())
     assert resp.status_code == 503 and out["error"]["type"] == "service_unavailable"
-    assert len(decode.calls) == 2 and r.counters.decode_retries == 2 and r.counters.failed == 1
+    decodes = [c for c in decode.calls if c[0] == "decode"]
+    assert len(decodes) == 2 and r.counters.decode_retries == 2 and r.counters.failed == 1
+    # the prefill's KV, never pulled, is released through the decode instance it was meant for
+    assert [(c[0], c[1]) for c in decode.calls if c[0] != "decode"] == [("release_kv", decodes[0][1])]
 
 
 # --- the body, the prompt's size, pathological JSON, unknown paths ------------------------------------

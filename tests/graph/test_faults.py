@@ -1,0 +1,189 @@
+"""Faults injected into the real stack: engines killed by pid, clients that leave early.
+
+Each test provokes its fault on the session's stack (tests/conftest.py), checks what the user
+sees and what the engines report, and, where it killed an engine, waits until Serve has replaced
+the replica (the warm-up proves the new one's handoff before it is routed to) so the tests after
+it find the stack whole. The fault counters each test moves are checked exactly and added to the
+session's tally (`unprovoked.provoked`): anything beyond them still fails the session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import psutil
+import pytest
+
+from disagg.graph.launch import ENGINE_PROCESS_MARKERS
+from unprovoked import killed_on_purpose, provoked
+
+pytestmark = pytest.mark.stack
+MODEL = "tiny-qwen2"
+REPLACE_TIMEOUT_S = 420  # a killed replica's replacement: engine start and warm-up on 2 busy cores
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with httpx.Client(base_url=stack.base_url, timeout=httpx.Timeout(120.0)) as c:
+        yield c
+
+
+def state(client) -> dict:
+    r = client.get("/admin/state")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def route(headers) -> dict:
+    return dict(part.split("=", 1) for part in headers["x-disagg-route"].split("; "))
+
+
+def engine_pids(replica_pid: int) -> dict[int, str]:
+    """The vLLM engine processes of the replica process `replica_pid`: {pid: command line}."""
+    out = {}
+    for child in psutil.Process(replica_pid).children(recursive=True):
+        cmd = " ".join(child.cmdline())
+        if any(m in cmd or m in child.name() for m in ENGINE_PROCESS_MARKERS):
+            out[child.pid] = cmd
+    return out
+
+
+def kill_engine_core(instance: dict) -> set[int]:
+    """SIGKILL the EngineCore of the replica behind `instance` (an /admin/state entry); its engine pids."""
+    pids = engine_pids(instance["pid"])
+    core = [pid for pid, cmd in pids.items() if "EngineCore" in cmd] or list(pids)
+    assert core, f"no engine process under replica pid {instance['pid']}"
+    os.kill(core[0], signal.SIGKILL)
+    return set(pids)
+
+
+def wait_until_replaced(client, killed: str, role: str, width: int) -> dict:
+    """Until the pool is back to `width` instances, none of them `killed`; the state then."""
+    deadline = time.monotonic() + REPLACE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        s = state(client)
+        pool = [k for k, v in s["instances"].items() if v["role"] == role]
+        if killed not in pool and len(pool) == width:
+            return s
+        time.sleep(2)
+    raise AssertionError(f"{role} pool not replaced within {REPLACE_TIMEOUT_S} s: {sorted(s['instances'])}")
+
+
+def wait_until_idle(client, timeout_s: float = 60) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = state(client)
+        if s["in_flight"] == 0 and all(v["running"] + v["waiting"] == 0 for v in s["instances"].values()):
+            return s
+        time.sleep(0.2)
+    raise AssertionError(f"the stack did not go idle within {timeout_s} s: {s}")
+
+
+def sse_text(lines) -> tuple[str, list[str]]:
+    """A streamed completion's text and any error events."""
+    text, errors = "", []
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            errors.append(event["error"]["message"])
+        elif event.get("choices"):
+            text += event["choices"][0]["text"]
+    return text, errors
+
+
+def test_a_decode_engine_killed_mid_stream_is_migrated_and_the_greedy_answer_is_unchanged(client, stack):
+    body = {"model": MODEL, "prompt": "A decode engine dies mid-answer; the router carries on:", "max_tokens": 400,
+            "ignore_eos": True, "temperature": 0.0}
+    reference = client.post("/v1/completions", json=body)
+    assert reference.status_code == 200, reference.text
+    before = wait_until_idle(client)
+    width = sum(v["role"] == "decode" for v in before["instances"].values())
+    assert width >= 2, "migration needs a second decode instance"
+
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        served = route(r.headers)["served_decode"]
+        lines, killed = [], set()
+        for line in r.iter_lines():
+            lines.append(line)
+            if not killed and sum(x.startswith("data: {") for x in lines) >= 3:  # mid-stream
+                killed = kill_engine_core(before["instances"][served])
+    text, errors = sse_text(lines)
+    rid = json.loads(next(x for x in lines if x.startswith("data: {"))[6:])["id"]
+    assert killed, "the stream ended before the engine could be killed"
+    assert errors == []
+    assert text == reference.json()["choices"][0]["text"]  # the whole answer, as if nothing had died
+
+    after = wait_until_replaced(client, served, "decode", width)
+    killed_on_purpose(stack, killed, served)
+    routers = len(after["routers"])
+    provoked(stack, before["counters"], after["counters"], {"migrations": 1, "instances_lost": routers})
+    record = next(json.loads(x) for x in (stack.run_dir / "runs" / "requests.jsonl").read_text().splitlines()
+                  if json.loads(x)["id"] == rid)
+    assert record["migrated_from"] == [served] and record["decode"] != served
+    assert record["output_tokens"] == 400 and record["error"] is None
+
+
+def _send_and_leave(base_url: str, body: dict, after_s: float) -> None:
+    """POST `body` and close the connection `after_s` later, whatever has arrived by then."""
+    url = urlsplit(base_url)
+    raw = json.dumps(body).encode()
+    with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (url.hostname.encode(), len(raw), raw))
+        time.sleep(after_s)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST: gone at once
+
+
+def _words(n: int, rng: random.Random) -> str:
+    return " ".join(rng.choice(("kv", "cache", "blocks", "prefill", "decode", "lease", "router", "engine"))
+                    for _ in range(n))
+
+
+def test_a_client_leaving_before_its_first_token_frees_the_kv_on_both_engines_within_a_second(client, stack):
+    """At every moment before the first token (queued, prefilling, between the prefill and the
+    decode's pull), a client that leaves costs no KV for longer than a second: the prefill
+    engine's blocks are not held for a pull that will never come (Dynamo #13691). Seen on the
+    engines' own KV gauges, refreshed by a one-token request after the second."""
+    rng = random.Random(7)
+    long = {"model": MODEL, "max_tokens": 64, "ignore_eos": True, "temperature": 0.0, "stream": True}
+    probe = {"model": MODEL, "prompt": "probe", "max_tokens": 1}
+    t0 = time.monotonic()
+    with client.stream("POST", "/v1/completions", json={**long, "prompt": _words(500, rng),
+                                                         "stream_options": {"include_usage": True}}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        ttft_s = time.monotonic() - t0  # the scale of the window to hit
+        usage = [json.loads(x[6:]) for x in lines if x.startswith("data: {")][-1]["usage"]
+    prompt_tokens = usage["prompt_tokens"]
+    before = wait_until_idle(client)
+    log = stack.run_dir / "runs" / "requests.jsonl"
+    seen = len(log.read_text().splitlines()) if log.exists() else 0
+
+    held = []
+    for k in range(12):
+        _send_and_leave(stack.base_url, {**long, "prompt": _words(500, rng)}, after_s=ttft_s * k / 8)
+        time.sleep(1.0)
+        assert client.post("/v1/completions", json=probe).status_code == 200  # a step on every engine it meets
+        time.sleep(0.3)  # the next poll
+        s = state(client)
+        held.append({k: v["kv_used_tokens"] for k, v in s["instances"].items()})
+    wait_until_idle(client)
+    # the probe's own blocks are a few tokens; a leaked prompt would hold ~prompt_tokens
+    assert all(used < prompt_tokens // 2 for h in held for used in h.values()), held
+
+    records = [json.loads(x) for x in log.read_text().splitlines()[seen:]] if log.exists() else []
+    left = [r for r in records if r["error"] == "cancelled by client"]
+    assert left, "no disconnect reached the router"
+    assert any(r["ttft_s"] is None and r["prefill"] is not None for r in left), \
+        "no client left between its prefill and its first token: the window this test is about was not hit"
+    provoked(stack, before["counters"], state(client)["counters"], {})
