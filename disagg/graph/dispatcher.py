@@ -46,6 +46,7 @@ from typing import Any, AsyncIterator
 
 from disagg.core.ledger import Ledger, admission_work
 from disagg.core.latency_routing import ModelInstance, route_by_latency
+from disagg.core.policies import Colocated
 from disagg.core.predictor import BucketMeanPredictor
 from disagg.core.ttft_estimator import TtftEstimateError
 from disagg.core.types import Decision, NoCapacity, RequestFeatures, Role, SloClass
@@ -164,6 +165,7 @@ class Dispatcher:
         self.multi_model = multi_model
         self.alias_predictor = BucketMeanPredictor()  # output lengths of alias requests, across models
         self.flights: dict[str, Flight] = {}  # admitted and not finished, in admission order
+        self._prefill_locally: dict[str, Colocated] = {}  # per model: its placement while no prefill instance is up
         self._background: set[asyncio.Task] = set()  # KV releases under way (held: tasks are weakly referenced)
 
     async def start(self, f: Flight, alias_prompts: dict[str, list[int]] | None = None) -> None:
@@ -282,8 +284,15 @@ class Dispatcher:
             prefill_views = []
         else:
             prefill_views = self.registry.views(m, Role.PREFILL) if not m.cfg.is_colocated else []
+        policy = m.policy
+        if not m.cfg.is_colocated and f.choice is None and not prefill_views:
+            # no prefill instance is up (all failed, or being replaced): the decode instances prefill
+            # for themselves until one is back, rather than every request getting a 503
+            policy = self._prefill_locally.setdefault(m.name, Colocated(m.cost_model))
+            self.counters.local_prefill_fallbacks += 1
+            f.fallback = "no_prefill_instance"
         try:
-            decision = m.policy.choose(feats, prefill_views, decode_views, t_arrival)
+            decision = policy.choose(feats, prefill_views, decode_views, t_arrival)
         except NoCapacity as e:
             raise _no_capacity(e) from None
         f.decision_us = (time.perf_counter() - t0) * 1e6

@@ -35,6 +35,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import uuid
 from dataclasses import asdict
 from typing import AsyncIterator
@@ -214,7 +215,8 @@ class Router:
 
     async def router_summary(self) -> dict:
         """This replica's id, counters and requests in flight: `/admin/state` on any replica sums them."""
-        return {"router": self.router_id, "counters": asdict(self.counters), "in_flight": len(self.ledger)}
+        return {"router": self.router_id, "counters": asdict(self.counters), "in_flight": len(self.ledger),
+                "pid": os.getpid()}
 
     @fastapi_app.post("/admin/policy")
     async def admin_policy(self, request: Request) -> Response:

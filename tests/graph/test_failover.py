@@ -278,3 +278,31 @@ def test_a_request_cancelled_during_its_prefill_aborts_it_and_releases_kv_it_fin
     assert not [c for c in decode.calls if c[0] == "decode"]
     releases = [c for c in decode.calls if c[0] == "release_kv"]
     assert [kv for _, _, (_, kv) in releases] == [{"remote": pinned}]
+
+
+def test_with_no_prefill_instance_up_the_decode_instances_prefill_for_themselves():
+    # the whole prefill pool is being replaced: serve, do not 503 for the minute it takes
+    decode = _Decoders(["d0", "d1"])
+
+    async def scenario():
+        args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
+        args["router"]["request_log"] = None
+        cls = Router.__mro__[1]
+        r = cls.__new__(cls)
+        await r.__init__(StandInPool("prefill", []), decode, args)
+        r._poll_task.cancel()
+        await r.poll_once()
+        resp = await r._handle(_request(False), chat=False)
+        return resp, r.counters
+    resp, counters = asyncio.run(scenario())
+    status, text, error = asyncio.run(_text(resp, False))
+    assert (status, error) == (200, None) and text.count("<") == MAX_TOKENS
+    (_, replica, call), = decode.calls
+    assert call.kv_transfer_params is None  # prefilled on the decode instance itself
+    r = route(resp)
+    assert r["prefill"] == r["decode"] == f"decode-{replica}" and r["fallback"] == "no_prefill_instance"
+    assert counters.local_prefill_fallbacks == 1 and counters.served == 1
+
+
+def route(resp) -> dict:
+    return dict(part.split("=", 1) for part in resp.headers["x-disagg-route"].split("; ") if "=" in part)

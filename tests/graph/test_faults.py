@@ -187,3 +187,101 @@ def test_a_client_leaving_before_its_first_token_frees_the_kv_on_both_engines_wi
     assert any(r["ttft_s"] is None and r["prefill"] is not None for r in left), \
         "no client left between its prefill and its first token: the window this test is about was not hit"
     provoked(stack, before["counters"], state(client)["counters"], {})
+
+
+def test_a_prefill_engine_killed_during_handoffs_loses_no_request(client, stack):
+    """The only prefill engine dies while requests are prefilling, transferring and decoding:
+    every request completes with the greedy text it has when nothing fails (retried on a decode
+    instance that prefills itself), and so does every request sent while Serve replaces it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(11)
+    prompts = [_words(400, rng) for _ in range(8)]
+    body = {"model": MODEL, "max_tokens": 24, "ignore_eos": True, "temperature": 0.0}
+    reference = {p: client.post("/v1/completions", json={**body, "prompt": p}).json()["choices"][0]["text"]
+                 for p in prompts}
+    before = wait_until_idle(client)
+    (prefill_id, prefill), = [(k, v) for k, v in before["instances"].items() if v["role"] == "prefill"]
+
+    def ask(prompt: str) -> tuple[int, str]:
+        with httpx.Client(base_url=stack.base_url, timeout=httpx.Timeout(120.0)) as c:
+            r = c.post("/v1/completions", json={**body, "prompt": prompt})
+            return r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = [pool.submit(ask, p) for p in prompts]
+        time.sleep(0.05)  # the first prefills are under way, the first transfers about to start
+        killed = kill_engine_core(prefill)
+        results = [a.result() for a in answers]
+    assert results == [(200, reference[p]) for p in prompts]
+
+    during = 0  # while the replica is replaced, requests keep being served
+    deadline = time.monotonic() + REPLACE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        p = prompts[during % len(prompts)]
+        assert ask(p) == (200, reference[p])
+        during += 1
+        pool_now = [k for k, v in state(client)["instances"].items() if v["role"] == "prefill"]
+        if pool_now and prefill_id not in pool_now:
+            break
+        time.sleep(1.0)
+    after = wait_until_replaced(client, prefill_id, "prefill", 1)
+    killed_on_purpose(stack, killed, prefill_id)
+    routers = len(after["routers"])
+    moved = provoked(stack, before["counters"], after["counters"], {"instances_lost": routers},
+                     may_move=("prefill_retries", "local_prefill_fallbacks", "decode_retries"))
+    # every request sent while the pool was empty prefilled locally (the last may have met the new one)
+    assert moved.get("local_prefill_fallbacks", 0) >= during - 1
+    # and once it is back, the handoff runs through it again
+    r = client.post("/v1/completions", json={**body, "prompt": prompts[0]})
+    assert r.json()["choices"][0]["text"] == reference[prompts[0]]
+    assert route(r.headers)["served_prefill"] == route(r.headers)["prefill"] != route(r.headers)["served_decode"]
+
+
+def test_a_router_replica_killed_mid_stream_ends_its_streams_and_comes_back_with_the_engines_in_view(client, stack):
+    """The router replica serving a stream dies: the client's stream ends (no hang), the engine
+    stops decoding for it, Serve starts a new router replica, which rebuilds its view of every
+    engine from their polls and serves."""
+    before = wait_until_idle(client)
+    engines = set(before["instances"])
+    body = {"model": MODEL, "prompt": "The router dies mid-answer.", "max_tokens": 1800, "ignore_eos": True,
+            "stream": True}
+    t0, ended = time.monotonic(), "without [DONE]"
+    try:
+        with httpx.Client(base_url=stack.base_url, timeout=httpx.Timeout(60.0)) as c:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                router = r.headers["x-disagg-router"]
+                dying = state(client)["routers"][router]
+                n = 0
+                for line in r.iter_lines():
+                    n += line.startswith("data: {")
+                    if n == 3:
+                        os.kill(dying["pid"], signal.SIGKILL)
+                    if '"error"' in line or line == "data: [DONE]":
+                        ended = "with an error event" if '"error"' in line else "completed"
+                        break
+    except httpx.HTTPError as e:  # the connection was cut
+        ended = f"cut ({type(e).__name__})"
+    assert ended != "completed", "the stream completed although its router died"
+    assert time.monotonic() - t0 < 60, f"the stream took {time.monotonic() - t0:.0f} s to end ({ended})"
+    wait_until_idle(client, timeout_s=10)  # the engine stopped decoding for the dead router (1,800 tokens take longer)
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # Serve replaces the router; the new one polls the engines
+        try:
+            s = state(client)
+        except (httpx.HTTPError, AssertionError):
+            s = None
+        if s and router not in s["routers"] and len(s["routers"]) == len(before["routers"]) \
+                and all(set(state(client)["instances"]) == engines for _ in range(4)):
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError(f"the router replica was not replaced with the engines in view: {s}")
+    after = wait_until_idle(client)
+    # the dead replica's counters left the sums with it: so do the faults counted there
+    for k in stack.provoked:
+        stack.provoked[k] -= dying["counters"].get(k, 0)
+    r = client.post("/v1/completions", json={**body, "stream": False, "max_tokens": 8})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    assert after["counters"]["failed"] - (before["counters"]["failed"] - dying["counters"]["failed"]) == 0
