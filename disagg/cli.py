@@ -141,13 +141,57 @@ SIM_COLUMNS = [
 # --- subcommands -----------------------------------------------------------------------------
 
 
-def cmd_sim(args) -> int:
-    from disagg.sim.runner import compare, find_saturation
+CAPACITY_BOUND = "oracle"  # true output lengths: what a perfect predictor would reach
 
+
+def capacity_label(cap: dict) -> str:
+    """The table cell of one capacity search: the rate, or which side of the bracket it fell off."""
+    if cap["capacity_rps"] is None:
+        return f"<{cap['bracket'][1]:.2f}"
+    return f"{cap['capacity_rps']:.2f}" if cap["bracketed"] else f">={cap['capacity_rps']:.2f}"
+
+
+def check_sim_args(args) -> None:
+    """Refuse bad `disagg sim` flags before any work, naming the flag."""
     if args.routers < 1:
         raise UsageError(f"--routers must be an integer >= 1 (router replicas sharing the arrivals), "
                          f"got {args.routers}")
+    if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
+        raise UsageError(f"--rate must be a finite number > 0, got {args.rate}")
+    if args.max_requests < 0:
+        raise UsageError(f"--max-requests must be >= 0 (0 = all), got {args.max_requests}")
+    if not 0.0 <= args.tight_share <= 1.0:
+        raise UsageError(f"--tight-share must be in [0, 1], got {args.tight_share}")
+    if not 0.0 <= args.predictor_error <= 10.0:
+        raise UsageError(f"--predictor-error must be in [0, 10], got {args.predictor_error}")
+
+
+def capacity_settings(args) -> tuple[float, int] | None:
+    """(attainment, bisection steps) of `disagg sim --capacity`, None without it; bad values refused.
+    The flags default to None so that one given without --capacity is caught, not silently ignored."""
+    if not args.capacity:
+        for flag, value in (("--attainment", args.attainment), ("--capacity-steps", args.capacity_steps)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --capacity")
+        return None
+    attainment = 0.9 if args.attainment is None else args.attainment
+    steps = 8 if args.capacity_steps is None else args.capacity_steps
+    if not 0.0 < attainment <= 1.0:
+        raise UsageError(f"--attainment must be a share in (0, 1], got {attainment}")
+    if not 0 <= steps <= 30:
+        raise UsageError(f"--capacity-steps must be an integer in [0, 30], got {steps}")
+    return attainment, steps
+
+
+def cmd_sim(args) -> int:
+    from disagg.sim.runner import CAPACITY_MAX_DOUBLINGS, compare, find_capacity, find_saturation
+
+    check_sim_args(args)
+    cap_settings = capacity_settings(args)
     policies = parse_policies(args.policies)
+    bound_added = cap_settings is not None and CAPACITY_BOUND not in policies
+    if bound_added:
+        policies.append(CAPACITY_BOUND)
     try:
         topology = Topology.parse(args.topology)
     except ValueError as e:
@@ -156,8 +200,9 @@ def cmd_sim(args) -> int:
     trace = read_trace(resolve_trace(args.trace), args.format)
     if args.max_requests:
         trace = trace[: args.max_requests]
-    if args.rate is not None and args.rate <= 0:
-        raise UsageError(f"--rate must be > 0, got {args.rate}")
+    if cap_settings and trace_stats(trace)["mean_rate"] <= 0:
+        raise UsageError(f"--capacity: the trace has no arrival rate to start from ({len(trace)} requests, "
+                         "span 0 s); it needs at least 2 requests arriving at different times")
     saturation = None
     rate = args.rate
     if args.saturation:
@@ -168,17 +213,39 @@ def cmd_sim(args) -> int:
     results = compare(trace, cost_model, topology, policies, rate=rate, tight_share=args.tight_share,
                       seed=args.seed, predictor_error=args.predictor_error, progress=bar, routers=args.routers)
     effective_rate = rate if rate is not None else trace_stats(trace)["mean_rate"]
-    rows = [{"policy": n, **s} for n, s in results.items()]
+    columns, capacity = SIM_COLUMNS, None
+    if cap_settings:
+        attainment, steps = cap_settings
+        for name in policies:
+            cap = find_capacity(trace, cost_model, topology, name, attainment=attainment,
+                                steps=steps, tight_share=args.tight_share, seed=args.seed,
+                                predictor_error=args.predictor_error, routers=args.routers)
+            cap["bound"] = name == CAPACITY_BOUND
+            results[name]["capacity_rps"] = cap["capacity_rps"]
+            results[name]["capacity"] = cap
+            print(f"capacity {name}: {capacity_label(cap)} req/s ({len(cap['probes'])} probes)", file=sys.stderr)
+        capacity = {"attainment": attainment, "steps": steps,
+                    "max_doublings": CAPACITY_MAX_DOUBLINGS, "start_rps": trace_stats(trace)["mean_rate"],
+                    "bound_policy": CAPACITY_BOUND, "bound_added": bound_added}
+        columns = [*SIM_COLUMNS, ("capacity_cell", "capacity req/s", "s")]
+    rows = [{"policy": f"{n} (bound)" if capacity and n == CAPACITY_BOUND else n, **s,
+             **({"capacity_cell": capacity_label(s["capacity"])} if capacity else {})}
+            for n, s in results.items()]
     print(f"trace={args.trace} requests={len(trace)} topology={topology} rate={effective_rate:.2f} req/s "
           f"cost_model={cost_model.name} seed={args.seed} routers={args.routers}")
-    print(fmt_table(rows, SIM_COLUMNS))
+    if capacity:
+        print(f"capacity = highest rate with >= {attainment:.0%} of requests meeting both TTFT and TPOT "
+              f"targets (from {capacity['start_rps']:.2f} req/s, {steps} bisection steps); "
+              f"{CAPACITY_BOUND} (true output lengths) is the bound" + (", added to the run" if bound_added else ""))
+    print(fmt_table(rows, columns))
     if args.json:
         total_req = sum(s["requests"] for s in results.values())
         total_wall = sum(s["sim_wall_s"] for s in results.values())
         write_json_atomic(Path(args.json), json_safe({
             "trace": str(args.trace), "topology": str(topology), "cost_model": cost_model.name,
             "seed": args.seed, "rate": effective_rate, "saturation": saturation, "routers": args.routers,
-            "policies": results, "sim_requests_per_s": total_req / total_wall if total_wall else None,
+            "capacity": capacity, "policies": results,
+            "sim_requests_per_s": total_req / total_wall if total_wall else None,
         }))
     return 0
 
@@ -416,6 +483,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--routers", type=int, default=1,
                      help="router replicas sharing the arrivals in turn, each with its own ledger and 50 ms-stale "
                           "polls of the others' work (default 1); the saturation rate is still one router's")
+    sim.add_argument("--capacity", action="store_true",
+                     help="also find each policy's SLO capacity: the highest rate (req/s) at which --attainment of "
+                          "requests meet both TTFT and TPOT targets; adds the oracle policy as the bound")
+    sim.add_argument("--attainment", type=float,
+                     help="with --capacity: the share of requests that must meet their SLO (default 0.9)")
+    sim.add_argument("--capacity-steps", type=int,
+                     help="with --capacity: bisection steps after the doubling bracket (default 8)")
     sim.add_argument("--json", help="write the results here (atomically)")
     sim.set_defaults(func=cmd_sim)
 

@@ -27,6 +27,9 @@ deterministic argmin sends all of them there (herding), a random pick among near
 Measured (docs/multi-router.md): with 50 ms polls it recovers only part of what K routers lose; what
 closes the gap is fresher knowledge of the calls the other routers sent since the last poll.
 
+`power_of_two` (Ray Serve LLM's default) is random by design: it samples two candidates per pool from
+its own `random.Random(seed)`, so it too is deterministic for a given seed.
+
 Policies are built by name through `build_policy`, which rejects unknown names and unknown
 parameters with the allowed ones listed. Each policy's docstring gives its config name, parameters
 and a YAML example.
@@ -259,6 +262,45 @@ class LeastLoaded(Policy):
         p = self._tie.argmin(self._p.rotated(_feasible(prefill, req, "prefill")), _queued)
         d = self._tie.argmin(self._d.rotated(_feasible(decode, req, "decode")), _queued)
         return Decision(p.instance_id, d.instance_id, self.name)
+
+
+class PowerOfTwoParams(Params):
+    seed: int = Field(default=0, description="seed of the policy's own sampling RNG")
+
+
+@register
+class PowerOfTwo(Policy):
+    """`power_of_two`: Ray Serve LLM's default router (Ray's `pow_2_router.py`) as a baseline.
+
+    In each pool, sample two distinct candidates uniformly at random and take the one with fewer
+    in-flight requests — the load signal of `least_loaded`; on a tie, the first sampled. A pool
+    with one candidate is taken without a draw. Two random choices instead of the global minimum
+    are why it needs no global view: routers with stale, identical views still spread out.
+    Prefill is drawn before decode, from one `random.Random(seed)` the policy owns; router
+    replicas get derived seeds (`for_replica`). Parameters: `seed` (default 0).
+
+    ```yaml
+    policy: {name: power_of_two, params: {seed: 0}}
+    ```
+    """
+
+    name = "power_of_two"
+    Params = PowerOfTwoParams
+
+    def __init__(self, cost_model: CostModel, params: Params | None = None) -> None:
+        super().__init__(cost_model, params)
+        self._rng = random.Random(self.params.seed)
+
+    def choose(self, req, prefill, decode, now):
+        p = self._pick(_feasible(prefill, req, "prefill"))
+        d = self._pick(_feasible(decode, req, "decode"))
+        return Decision(p.instance_id, d.instance_id, self.name)
+
+    def _pick(self, pool: Sequence[InstanceView]) -> InstanceView:
+        if len(pool) == 1:
+            return pool[0]
+        i, j = self._rng.sample(range(len(pool)), 2)
+        return pool[j] if pool[j].queued < pool[i].queued else pool[i]
 
 
 @register

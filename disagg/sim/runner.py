@@ -1,4 +1,4 @@
-"""Run policies through the simulator on one trace, and find the saturation rate.
+"""Run policies through the simulator on one trace; find the saturation rate and each policy's SLO capacity.
 
 Saturation rule (the paper drives each workload where round robin is mid-collapse):
 1. g_lo = round robin's goodput at a light rate (1/20 of the trace's own mean rate, floor
@@ -13,6 +13,17 @@ Saturation rule (the paper drives each workload where round robin is mid-collaps
 3. each probe simulates the trace (its first `probe_requests` requests, by default all of it)
    rescaled to the probed rate, with the same seed, so the rule is deterministic and the rate is
    the collapse point of the very requests that are then run.
+
+SLO capacity (DistServe's measure) of a policy: the highest arrival rate at which at least
+`attainment` of all requests meet both their SLO class's TTFT and TPOT targets (the goodput of
+`metrics.summarize`). Found per policy by `capacity_steps`:
+1. probe the trace's own mean rate; if it meets the attainment, double the rate until one does
+   not, else halve it until one does — at most `max_doublings` times either way;
+2. bisect on log(rate) between the highest passing and the lowest failing rate, `steps` times;
+3. the capacity is the highest probed rate that passed (a lower bound, within the final bracket).
+Each probe runs the same requests and SLO classes (same seed) rescaled to the probed rate, so the
+search is deterministic. Bisection assumes attainment falls as the rate rises; a trace too short
+to be past its warm-up may not, and the result is then one of the crossings.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ from disagg.core.policies import build_policy
 from disagg.core.predictor import BucketMeanPredictor, NoisyPredictor
 from disagg.sim.metrics import summarize
 from disagg.sim.simulator import SimResult, Simulator, Topology
-from disagg.sim.traces import TraceRequest, assign_slo_classes, rescale_to_rate
+from disagg.sim.traces import TraceRequest, assign_slo_classes, rescale_to_rate, trace_stats
 
 
 def prepare_trace(trace: Sequence[TraceRequest], rate: float | None, tight_share: float, seed: int) -> list[TraceRequest]:
@@ -162,6 +173,85 @@ def saturation_search(goodput: Callable[[float], float], own: float, iterations:
             rate = steps.send(goodput(rate))
     except StopIteration as stop:
         return stop.value
+
+
+CAPACITY_MAX_DOUBLINGS = 6  # the bracket reaches 64× above or below the trace's own rate
+
+
+def capacity_steps(start_rps: float, attainment: float, steps: int,
+                   max_doublings: int = CAPACITY_MAX_DOUBLINGS):
+    """The SLO-capacity search (module doc) as a generator: it yields the rates to probe, is sent
+    the share of requests meeting their SLO at each, and returns the result dict. A generator for
+    the same reason as `saturation_steps`: the search does not care who measures.
+
+    Result: `capacity_rps` (highest passing rate, None if none passed), `bracket` [highest
+    passing or 0, lowest failing or None], `bracketed` (a pass and a fail were both seen) and
+    `probes` ([rate, attainment] in probing order). At most 1 + max_doublings + steps probes."""
+    if not (math.isfinite(start_rps) and start_rps > 0):
+        raise ValueError(f"start rate: expected a positive finite requests/s, got {start_rps!r}")
+    if not 0.0 < attainment <= 1.0:
+        raise ValueError(f"attainment: expected a share in (0, 1], got {attainment!r}")
+    if steps < 0 or max_doublings < 0:
+        raise ValueError(f"steps and max_doublings must be >= 0, got {steps} and {max_doublings}")
+    probes: list[list[float]] = []
+    lo: float | None = None  # highest rate that met the attainment
+    hi: float | None = None  # lowest rate that did not
+
+    rate = start_rps
+    for _ in range(1 + max_doublings):
+        got = yield rate
+        probes.append([rate, got])
+        if got >= attainment:  # NaN (no requests) counts as a miss
+            lo = rate
+        else:
+            hi = rate
+        if lo is not None and hi is not None:
+            break
+        rate = rate * 2 if hi is None else rate / 2
+    for _ in range(steps if lo is not None and hi is not None else 0):
+        rate = math.sqrt(lo * hi)
+        got = yield rate
+        probes.append([rate, got])
+        if got >= attainment:
+            lo = rate
+        else:
+            hi = rate
+    return {"capacity_rps": lo, "bracket": [lo or 0.0, hi], "bracketed": lo is not None and hi is not None,
+            "probes": probes}
+
+
+def find_capacity(
+    trace: Sequence[TraceRequest],
+    cost_model: CostModel,
+    topology: Topology,
+    policy_name: str,
+    *,
+    attainment: float,
+    steps: int,
+    tight_share: float,
+    seed: int,
+    predictor_error: float = 0.0,
+    routers: int = 1,
+    max_doublings: int = CAPACITY_MAX_DOUBLINGS,
+) -> dict:
+    """One policy's SLO capacity on `trace` (module doc), starting from the trace's own mean rate."""
+    stats = trace_stats(trace) if trace else {"mean_rate": 0.0}
+    if stats["mean_rate"] <= 0:
+        raise ValueError("the capacity search needs a trace of at least 2 requests arriving at different times")
+
+    def attained(rate: float) -> float:
+        t = prepare_trace(trace, rate, tight_share, seed)
+        summary, _ = simulate(t, cost_model, topology, policy_name, predictor_error=predictor_error, seed=seed,
+                              routers=routers)
+        return summary["goodput"]
+
+    search = capacity_steps(stats["mean_rate"], attainment, steps, max_doublings)
+    try:
+        rate = next(search)
+        while True:
+            rate = search.send(attained(rate))
+    except StopIteration as stop:
+        return {**stop.value, "start_rps": stats["mean_rate"], "attainment": attainment}
 
 
 def compare(
