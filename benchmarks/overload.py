@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-qwen2"
 
@@ -48,6 +50,9 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
+SEND_LATE_S: list[float] = []  # per request sent open-loop: seconds behind its scheduled time
+
+
 def router_rss_mb() -> float:
     out = subprocess.run(["ps", "-eo", "rss=,args="], capture_output=True, text=True).stdout
     return sum(int(line.split()[0]) for line in out.splitlines() if "ServeReplica:" in line and ":router" in line) / 1024
@@ -58,16 +63,17 @@ async def one(client, i: int, slo: str, tokens: int) -> dict:
             "ignore_eos": True, "temperature": 0}
     t0 = time.perf_counter()
     try:
-        r = await client.post("/v1/completions", json=body, headers={"X-SLO-Class": slo})
-    except Exception as e:  # httpx timeouts and connection errors: what must not happen
+        async with client.post("/v1/completions", json=body, headers={"X-SLO-Class": slo}) as r:
+            out = {"slo": slo, "status": r.status}
+            if r.status == 200:
+                out["complete"] = (await r.json())["usage"]["completion_tokens"] == tokens
+            elif r.status == 429:
+                out["retry_after"] = r.headers.get("Retry-After")
+            else:
+                out["error"] = (await r.text())[:200]
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # timeouts and connection errors: what must not happen
         return {"slo": slo, "status": None, "error": type(e).__name__, "latency_s": time.perf_counter() - t0}
-    out = {"slo": slo, "status": r.status_code, "latency_s": time.perf_counter() - t0}
-    if r.status_code == 200:
-        out["complete"] = r.json()["usage"]["completion_tokens"] == tokens
-    elif r.status_code == 429:
-        out["retry_after"] = r.headers.get("retry-after")
-    else:
-        out["error"] = r.text[:200]
+    out["latency_s"] = time.perf_counter() - t0
     return out
 
 
@@ -95,6 +101,8 @@ async def overload(client, rate: float, duration_s: float, tokens: int, seed: in
         delay = t0 + t - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
+        # how late this generator sends (its own lag on shared cores): part of every latency measured
+        SEND_LATE_S.append(max(0.0, -delay))
         tasks.append(asyncio.create_task(one(client, i, "tight" if i % 2 else "loose", tokens)))
         i += 1
         if time.perf_counter() >= next_rss:
@@ -124,6 +132,7 @@ def summarize(results: list[dict], rss: list[float], cap: float, rate: float) ->
         "other_error_samples": [r.get("error") for r in other[:3]],
         "by_class": by_class, "router_rss_mb": rss,
         "router_rss_growth_mb": (rss[-1] - rss[0]) if len(rss) > 1 else 0.0,
+        "generator_send_late_s_p50": pct(SEND_LATE_S, 50), "generator_send_late_s_p99": pct(SEND_LATE_S, 99),
     }
 
 
@@ -135,11 +144,11 @@ async def burst(client, n: int, tokens: int) -> tuple[list[dict], list[float]]:
 
 
 async def run(args) -> dict:
-    import httpx
-
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
-    async with httpx.AsyncClient(base_url=args.url, timeout=httpx.Timeout(args.timeout), limits=limits,
-                                 trust_env=False) as client:
+    # aiohttp, not httpx: at thousands of open requests httpx's pool costs the generator more CPU
+    # than the 2-core machine can spare, and its own delays would pass for the app's
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(base_url=args.url, timeout=aiohttp.ClientTimeout(total=args.timeout),
+                                     connector=connector, trust_env=False) as client:
         if args.burst:
             log(f"burst: {args.burst} requests at once, {args.tokens} tokens each ...")
             t0 = time.perf_counter()
@@ -147,12 +156,31 @@ async def run(args) -> dict:
             summary = summarize(results, rss, float("nan"), float("nan"))
             summary["burst_wall_s"] = time.perf_counter() - t0
             return summary
-        log(f"capacity probe: {args.concurrency} closed-loop clients for {args.probe_s:.0f} s ...")
-        cap = await capacity(client, args.concurrency, args.probe_s, args.tokens)
-        rate = args.factor * cap
-        log(f"capacity {cap:.1f} req/s; overload at {rate:.1f} req/s for {args.duration:.0f} s ...")
+        if args.rate:
+            cap, rate = None, args.rate
+        else:
+            log(f"capacity probe: {args.concurrency} closed-loop clients for {args.probe_s:.0f} s ...")
+            cap = await capacity(client, args.concurrency, args.probe_s, args.tokens)
+            if cap <= 0:
+                raise SystemExit("the capacity probe completed no request: is the app up and serving?")
+            rate = args.factor * cap
+            log(f"capacity {cap:.1f} req/s")
+        log(f"overload at {rate:.1f} req/s for {args.duration:.0f} s ...")
         results, rss = await overload(client, rate, args.duration, args.tokens, args.seed)
-    return summarize(results, rss, cap, rate)
+        summary = summarize(results, rss, cap, rate)
+        summary.update(await router_view(client))
+    return summary
+
+
+async def router_view(client) -> dict:
+    """What the routers counted (their 429s by cause) and how far their event loops fell behind."""
+    async with client.get("/admin/state") as r:
+        if r.status != 200:  # admin not reachable from here (token or loopback settings): say so
+            return {"router_state": f"/admin/state answered {r.status}"}
+        state = await r.json()
+    keys = ("served", "failed", "shed_429", "shed_router_busy")
+    return {"router_counters": {k: state["counters"].get(k) for k in keys},
+            "router_loop_lag_peak_s": max((x.get("loop_lag_peak_s") or 0.0) for x in state["routers"].values())}
 
 
 def main(argv=None) -> int:
@@ -160,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=str(ROOT / "deployments" / "local.yaml"))
     ap.add_argument("--url", help="a running app (default: start --config on a local cluster)")
     ap.add_argument("--factor", type=float, default=3.0)
+    ap.add_argument("--rate", type=float, help="offer this many requests/s instead of --factor × the measured "
+                    "capacity (skips the probe: runs to compare at one rate)")
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--probe-s", type=float, default=20.0)
     ap.add_argument("--concurrency", type=int, default=32)
@@ -171,6 +201,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.factor <= 0 or args.duration <= 0 or args.concurrency < 1 or args.tokens < 1 or args.burst < 0:
         ap.error("--factor, --duration, --concurrency and --tokens must be positive")
+    if args.rate is not None and not args.rate > 0:
+        ap.error(f"--rate must be a positive number of requests/s, got {args.rate}")
     stack = None
     if args.url is None:
         from disagg.graph.launch import LocalStack

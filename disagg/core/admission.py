@@ -15,7 +15,13 @@ under overload the capacity left goes to the class with the stricter SLO.
 bound: the queued requests beyond it, `max_num_seqs` at a time, each taking the mean priced
 decode time of what is queued there (the ledger's backlog / queue). Clamped to 1–60 s.
 
-Pure: the router passes the views it routes with; no clock, no I/O.
+The router itself can be the bottleneck: on a small machine, or under a burst, requests wait to
+be read while its event loop works through the ones it has, and no engine queue shows it. So
+`shed_for_lag` refuses a request before its body is read when the loop's recent lag (how late
+its timers fire) passes `loop_lag_bound_s` (tight requests: `tight_headroom` times that): a
+refusal costs the loop little, and lets the requests it keeps meet their targets.
+
+Pure: the router passes the views it routes with and the lag it measured; no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -58,3 +64,28 @@ def shed(candidates: Sequence[InstanceView], max_num_seqs: int, slo: SloClass, q
     drain_s = (best.queued - bound + 1) * per_request_s / max_num_seqs
     lo, hi = RETRY_AFTER_BOUNDS_S
     return Shed(min(hi, max(lo, math.ceil(drain_s))), best.queued, bound)
+
+
+@dataclass(frozen=True, slots=True)
+class LagShed:
+    """A request refused because the router's own event loop is behind."""
+
+    retry_after_s: int
+    lag_s: float
+    bound_s: float
+
+    def message(self) -> str:
+        return (f"overloaded: the router is {self.lag_s * 1e3:.0f} ms behind (this request's class is refused from "
+                f"{self.bound_s * 1e3:.0f} ms); retry after {self.retry_after_s} s")
+
+
+def shed_for_lag(lag_s: float, loop_lag_bound_s: float, slo: SloClass, tight_headroom: float = 2.0) -> LagShed | None:
+    """A `LagShed` when the router's loop lag is past the request's class bound, else None.
+    `loop_lag_bound_s` 0 disables it. Retry-After: the lag itself, in whole seconds (1–60)."""
+    if loop_lag_bound_s <= 0:
+        return None
+    bound = loop_lag_bound_s * (tight_headroom if slo is SloClass.TIGHT else 1.0)
+    if lag_s < bound:
+        return None
+    lo, hi = RETRY_AFTER_BOUNDS_S
+    return LagShed(min(hi, max(lo, math.ceil(lag_s))), lag_s, bound)

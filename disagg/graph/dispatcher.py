@@ -52,6 +52,7 @@ from disagg.core.ttft_estimator import TtftEstimateError
 from disagg.core.types import Decision, NoCapacity, RequestFeatures, Role, SloClass
 from disagg.core.utility import AccuracyTable, Choice
 from disagg.graph.instance_state import FlightFacts, instance_snapshot
+from disagg.graph.metrics import RouterMetrics
 from disagg.graph.messages import DecodeCall, DecodeChunk, InvalidRequest, PrefillCall, PrefillReply
 from disagg.graph.openai_api import ApiError, openai_param
 from disagg.graph.registry import Instance, InstanceRegistry
@@ -153,7 +154,7 @@ class Dispatcher:
 
     def __init__(self, registry: InstanceRegistry, ledger: Ledger, counters: Counters, log: RequestLog,
                  accuracy: AccuracyTable, prefill_retries: int, multi_model: bool, router_id: str = "",
-                 migration_limit: int = 1) -> None:
+                 migration_limit: int = 1, metrics: RouterMetrics | None = None) -> None:
         self.registry = registry
         self.router_id = router_id  # this router replica: engines keep their ledger of our calls under it
         self.ledger = ledger
@@ -162,6 +163,7 @@ class Dispatcher:
         self.accuracy = accuracy
         self.prefill_retries = prefill_retries
         self.migration_limit = migration_limit
+        self.metrics = metrics  # the Prometheus series each finished request feeds (None: not exported)
         self.multi_model = multi_model
         self.alias_predictor = BucketMeanPredictor()  # output lengths of alias requests, across models
         self.flights: dict[str, Flight] = {}  # admitted and not finished, in admission order
@@ -203,8 +205,12 @@ class Dispatcher:
         """Have the chosen decode engine tell the prefill engine to free `f`'s KV now (not at the
         end of its lease): the request went away, or failed, before its decode pulled it. In the
         background: the request's own task is being cancelled. A decode that had started pulling
-        has freed it already; the second notice is ignored."""
-        inst = self.registry.get(f.decision.decode_id)
+        has freed it already; the second notice is ignored. Any decode engine can send the notice:
+        the one serving the request, else the one chosen for it, else any other."""
+        m = f.model
+        pool = [i.instance_id for i in self.registry.pool(m, m.decode_role)]
+        inst = next((self.registry.get(i) for i in (f.actual_decode, f.decision.decode_id, *pool)
+                     if i is not None and self.registry.get(i) is not None), None)
         if inst is None:
             return
         handle = f.model.handles[f.model.decode_role]
@@ -526,4 +532,8 @@ class Dispatcher:
         if f.admitted:
             self.ledger.finish(f.rid)
         self.flights.pop(f.rid, None)
-        self.log.write(request_record(f, error, time.monotonic(), self.multi_model, self.router_id))
+        record = request_record(f, error, time.monotonic(), self.multi_model, self.router_id)
+        self.log.write(record)
+        if self.metrics is not None and f.model is not None:
+            target = f.model.cost_model.target(f.slo)
+            self.metrics.request_finished(record, f.model.name, target.ttft_s, target.tpot_s)

@@ -103,6 +103,7 @@ def stack_engines_left() -> list[int]:
 
 
 RAY_ADDRESS = "127.0.0.1:6379"
+METRICS_PORT = 8079  # Ray's Prometheus endpoint on this node: Serve's, the engines' and the router's series
 _SERVE_SHUTDOWN = f"import ray; from ray import serve; ray.init(address={RAY_ADDRESS!r}); serve.shutdown()"
 
 
@@ -180,7 +181,8 @@ class LocalStack:
             self.log("starting Ray on 127.0.0.1 ...")
             subprocess.run([_bin("ray"), "start", "--head", f"--num-cpus={self.num_cpus}",
                             "--node-ip-address=127.0.0.1", "--include-dashboard=true",
-                            "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
+                            "--dashboard-host=127.0.0.1", "--disable-usage-stats",
+                            f"--metrics-export-port={METRICS_PORT}"],
                            env={**_env(), STACK_ID_VAR: self.stack_id}, check=True, capture_output=True,
                            timeout=180)
             self.started_ray = True
@@ -330,7 +332,7 @@ def main(argv=None) -> int:
         # a multi-model app: show the alias, which lets the router choose the model
         model = (args.get("router") or {}).get("alias", "auto") if "models" in args else stack.apps[0][1].model.served_name
         print(f"""
-Serving on {url} (Ray dashboard: http://127.0.0.1:8265). Try:
+Serving on {url} (Ray dashboard: http://127.0.0.1:8265; Prometheus metrics: http://127.0.0.1:{METRICS_PORT}/metrics). Try:
 
   curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})}' -i

@@ -35,6 +35,7 @@ class Counters:
     cancelled: int = 0  # requests the client went away from
     instances_lost: int = 0  # engine instances that stopped answering polls (died, or scaled down)
     shed_429: int = 0  # requests refused with 429 because every candidate was too far behind (overload)
+    shed_router_busy: int = 0  # ... of which because this router's own event loop was too far behind
 
 
 class RequestLog:

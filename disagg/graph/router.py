@@ -47,7 +47,7 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
-from disagg.core.admission import shed
+from disagg.core.admission import shed, shed_for_lag
 from disagg.core.ledger import Ledger
 from disagg.core.types import Role, SloClass
 from disagg.core.utility import AccuracyTable
@@ -55,6 +55,8 @@ from disagg.graph.access import Access, CostModelFiles
 from disagg.graph.admin import Admin
 from disagg.graph.config import AppConfig, MultiModelConfig, is_multi_model
 from disagg.graph.dispatcher import Dispatcher, Flight
+from disagg.graph.loop_lag import LoopLag
+from disagg.graph.metrics import RouterMetrics
 from disagg.graph.openai_api import (
     STREAM_DONE, ApiError, choice_logprobs, completion_body, new_id, parse_request, stream_chunk, usage,
 )
@@ -65,6 +67,7 @@ from disagg.graph.served_model import ServedModel
 fastapi_app = FastAPI(title="disagg router")
 logger = logging.getLogger(__name__)
 ADMIN_TIMEOUT_S = 30.0
+METRICS_INTERVAL_S = 1.0  # how often the counters and the instances' load go to Prometheus
 OFF_LOOP_TOKENIZE_CHARS = 16_384  # longer prompts tokenize in a thread (~1 ms per 1,000 characters)
 
 
@@ -154,15 +157,35 @@ class Router:
                        for name, view in views.items()}
         self.ledger = Ledger()  # shared by the registry (polls, departures) and the dispatcher (admissions)
         self.counters = Counters()
+        self.metrics = RouterMetrics()
         self.registry = InstanceRegistry(self.served, self.ledger, self.counters, rc.poll_interval_s, self.router_id)
         self.dispatcher = Dispatcher(self.registry, self.ledger, self.counters, RequestLog(rc.request_log),
                                      accuracy, rc.prefill_retries, multi_model=bool(self.alias),
-                                     router_id=self.router_id, migration_limit=rc.migration_limit)
+                                     router_id=self.router_id, migration_limit=rc.migration_limit,
+                                     metrics=self.metrics)
         self.flights = self.dispatcher.flights  # the requests in flight, for inspection
         self.admin = Admin(self.served, self.registry, self.ledger, self.counters, self.alias, self.lam,
                            replica_index=rank, cost_model_files=CostModelFiles.from_settings(rc))
         logger.info("router %s access: %s", self.router_id, self.access.describe())
         self._poll_task = asyncio.get_running_loop().create_task(self.registry.poll_forever())
+        self.loop_lag = LoopLag()
+        self.loop_lag_bound_s = rc.shed_loop_lag_s
+        self._lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run())
+        self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
+
+    def stop_background(self) -> None:
+        """Stop polling the engines, measuring the loop's lag and exporting metrics (in-process tests
+        drive the first two themselves)."""
+        for task in (self._poll_task, self._lag_task, self._metrics_task):
+            task.cancel()
+
+    async def _export_metrics(self) -> None:
+        """The counters, each instance's load and the loop's lag, to Prometheus once a second."""
+        while True:
+            await asyncio.sleep(METRICS_INTERVAL_S)
+            views = [(m.name, v) for m in self.served.values() for role in {Role.PREFILL, m.decode_role}
+                     for v in self.registry.views(m, role)]
+            self.metrics.refresh(self.counters, views, self.loop_lag.lag_s)
 
     async def poll_once(self) -> None:
         """Poll every engine now (the background poller does it every `poll_interval_s`)."""
@@ -216,7 +239,7 @@ class Router:
     async def router_summary(self) -> dict:
         """This replica's id, counters and requests in flight: `/admin/state` on any replica sums them."""
         return {"router": self.router_id, "counters": asdict(self.counters), "in_flight": len(self.ledger),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "loop_lag_s": self.loop_lag.lag_s, "loop_lag_peak_s": self.loop_lag.peak_s}
 
     @fastapi_app.post("/admin/policy")
     async def admin_policy(self, request: Request) -> Response:
@@ -264,8 +287,9 @@ class Router:
     async def _handle(self, request: Request, chat: bool) -> Response:
         self.counters.requests += 1
         try:
-            req = parse_request(await read_body(request, self.max_body_bytes), "chat" if chat else "completion")
             slo = self._slo(request)
+            self._shed_if_behind(slo)  # before reading the body: the cheapest answer a busy router can give
+            req = parse_request(await read_body(request, self.max_body_bytes), "chat" if chat else "completion")
             limit_ms = _header_number(request, "X-TTFT-Limit-Ms", minimum_exclusive=True)
             lam = _header_number(request, "X-Route-Lambda", minimum_exclusive=False)
             targets = self._may_fit(self._targets(req.model), req)
@@ -335,6 +359,15 @@ class Router:
         if f.req.include_usage:
             yield stream_chunk(f.rid, model, "", None, f.chat, usage=usage(len(f.prompt_ids), f.generated))
         yield STREAM_DONE
+
+    def _shed_if_behind(self, slo: SloClass) -> None:
+        """429 with Retry-After when this router's own event loop is too far behind (`shed_for_lag`)."""
+        verdict = shed_for_lag(self.loop_lag.lag_s, self.loop_lag_bound_s, slo)
+        if verdict is not None:
+            self.counters.shed_429 += 1
+            self.counters.shed_router_busy += 1
+            raise ApiError(verdict.message(), status=429, kind="rate_limit_error",
+                           headers={"Retry-After": str(verdict.retry_after_s)})
 
     def _admit_or_shed(self, targets: list[ServedModel], slo: SloClass) -> None:
         """429 with Retry-After when every candidate model's decode instances are too far behind

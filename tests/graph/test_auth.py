@@ -111,7 +111,7 @@ async def _router(**router):
     cls = Router.__mro__[1]  # the class under Serve's ingress wrapper
     r = cls.__new__(cls)
     await r.__init__(prefill, decode, _args(**router))
-    r._poll_task.cancel()
+    r.stop_background()
     await r.poll_once()
     r.test_pools = (prefill, decode)
     return r
@@ -242,7 +242,7 @@ def test_the_multi_model_router_takes_the_same_keys(keys):
         cls = Router.__mro__[1]
         r = cls.__new__(cls)
         await r.__init__(None, None, args, pools)
-        r._poll_task.cancel()
+        r.stop_background()
         with _Http(r) as http:
             return (await http.call("GET", "/v1/models"),
                     await http.call("GET", "/v1/models", auth=[f"Bearer {KEY_TWO}"]))

@@ -108,7 +108,7 @@ async def _router(prefill: _Pool, decode: _Pool, **router) -> Router:
     cls = Router.__mro__[1]  # the class under Serve's ingress wrapper
     r = cls.__new__(cls)
     await r.__init__(prefill, decode, _args(**router))
-    r._poll_task.cancel()
+    r.stop_background()
     await r.poll_once()
     return r
 

@@ -87,7 +87,7 @@ async def _router(args: dict, pools: dict) -> Router:
     cls = Router.__mro__[1]  # the class under Serve's ingress wrapper
     r = cls.__new__(cls)
     await r.__init__(None, None, args, pools)
-    r._poll_task.cancel()  # polled by hand below: no timing in the test
+    r.stop_background()  # polled by hand below: no timing in the test
     await r.poll_once()
     return r
 

@@ -88,7 +88,7 @@ async def _router(prefill: _Engines, decode: _Engines) -> Router:
     cls = Router.__mro__[1]  # the class under Serve's ingress wrapper
     r = cls.__new__(cls)
     await r.__init__(prefill, decode, _args())
-    r._poll_task.cancel()  # polled by hand: the test decides how stale each view is
+    r.stop_background()  # polled by hand: the test decides how stale each view is
     await r.poll_once()
     return r
 

@@ -411,3 +411,30 @@ def test_structured_output_and_sampling_fields_are_served(client):
                  presence_penalty=0.5, repetition_penalty=1.2, logit_bias={"5": -100}, min_tokens=8,
                  stop_token_ids=[3], seed=7)
     assert r.json()["usage"]["completion_tokens"] == 8  # min_tokens = max_tokens: exactly 8
+
+
+def test_router_metrics_reach_rays_prometheus_endpoint(client):
+    """The router's series (disagg.graph.metrics), scraped where Prometheus would: Ray's endpoint."""
+    import re
+    import urllib.request
+
+    from disagg.graph.launch import METRICS_PORT
+
+    complete(client, "metrics, please", max_tokens=4, ignore_eos=True)
+    wanted = ["ray_disagg_requests_total", "ray_disagg_ttft_seconds_bucket", "ray_disagg_slo_requests_total",
+              "ray_disagg_decisions_total", "ray_disagg_instance_backlog_seconds", "ray_disagg_instance_kv_pressure",
+              "ray_disagg_router_events_total", "ray_disagg_router_loop_lag_seconds"]
+    deadline, text = time.monotonic() + 90, ""  # Ray exports every few seconds
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        if all(w in text for w in wanted):
+            break
+        time.sleep(3)
+    missing = [w for w in wanted if w not in text]
+    assert not missing, f"not on Ray's metrics endpoint: {missing}"
+    served = [float(m.group(1)) for m in re.finditer(r'^ray_disagg_requests_total\{[^}]*outcome="served"[^}]*\} (\S+)',
+                                                      text, re.M)]
+    assert sum(served) >= 1
+    instances = set(re.findall(r'^ray_disagg_instance_queued_requests\{[^}]*instance="([^"]+)"', text, re.M))
+    assert set(state(client)["instances"]) <= instances  # (an instance replaced earlier keeps its last value)

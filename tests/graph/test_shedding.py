@@ -73,7 +73,7 @@ def test_overload_is_refused_fast_loose_first_and_served_again_after_the_drain()
         cls = Router.__mro__[1]
         r = cls.__new__(cls)
         await r.__init__(prefill, decode, args)
-        r._poll_task.cancel()
+        r.stop_background()
         tokenized = []
         for m in r.served.values():  # count tokenizations: a shed request must not reach the tokenizer
             encode = m.tokenizer.encode
@@ -103,3 +103,43 @@ def test_overload_is_refused_fast_loose_first_and_served_again_after_the_drain()
     assert [int(ra) for _, _, ra, *_ in overloaded] == [5, 1]  # (256−128+1)·2/64 → 5 s; tight: (256−256+1)·2/64 → 1 s
     assert [(s, code) for s, code, *_ in drained] == [("loose", 200), ("tight", 200)]
     assert counters.shed_429 == 3 and counters.rejected_400 == 0
+
+
+def test_a_router_whose_loop_is_behind_refuses_before_reading_the_body_loose_first():
+    async def scenario():
+        prefill, decode = _Pool("prefill", ["p0"]), _Pool("decode", ["d0", "d1"])
+        args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
+        args["router"]["request_log"] = None
+        cls = Router.__mro__[1]
+        r = cls.__new__(cls)
+        await r.__init__(prefill, decode, args)
+        r.stop_background()
+        await r.poll_once()
+        bound = r.loop_lag_bound_s
+        out = []
+        for lag in (0.0, 1.5 * bound, 3 * bound, 0.0):  # idle, behind, far behind, caught up
+            r.loop_lag.lag_s = lag
+            for slo in ("loose", "tight"):
+                read = []
+                req = _request(slo)
+                receive = req._receive
+
+                async def counting_receive(_receive=receive):
+                    read.append(1)
+                    return await _receive()
+                req._receive = counting_receive
+                t0 = time.perf_counter()
+                resp = await r._handle(req, chat=False)
+                out.append((lag, slo, resp.status_code, resp.headers.get("retry-after"), bool(read),
+                            time.perf_counter() - t0))
+        return out, r.counters
+    out, counters = asyncio.run(scenario())
+    codes = [(slo, code) for _, slo, code, *_ in out]
+    assert codes == [("loose", 200), ("tight", 200), ("loose", 429), ("tight", 200),
+                     ("loose", 429), ("tight", 429), ("loose", 200), ("tight", 200)]
+    for _, _, code, retry_after, read, elapsed in out:
+        if code == 429:  # refused without reading the body, at once, with a hint
+            assert retry_after == "1" and not read and elapsed < 0.05
+        else:
+            assert read
+    assert counters.shed_429 == counters.shed_router_busy == 3 and counters.rejected_400 == 0
