@@ -7,6 +7,7 @@ through these types, which is what lets the simulator run the very same policy c
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -45,6 +46,9 @@ class RequestFeatures:
 
     `true_output_tokens` is set only by the simulator; it exists so that the `oracle` policy can
     bound what a perfect output-length predictor would gain. Live requests leave it None.
+    `prefix_hashes` are the prompt's block hashes in the Mooncake convention (one per
+    `PREFIX_BLOCK_TOKENS`-token block, each naming the whole prefix up to its block's end), or
+    empty when unknown — as for every live request today.
     """
 
     request_id: str
@@ -52,6 +56,14 @@ class RequestFeatures:
     predicted_output_tokens: int
     slo_class: SloClass = SloClass.LOOSE
     true_output_tokens: int | None = None
+    prefix_hashes: tuple[int, ...] = ()
+
+
+PREFIX_BLOCK_TOKENS = 512  # tokens per prefix-hash block: the Mooncake traces' `hash_ids` convention
+
+# How many leading blocks of the given prefix hashes an instance holds in its prefix cache.
+# Must be side-effect free: policies call it while choosing, and may call it for every candidate.
+PrefixLookup = Callable[[tuple[int, ...]], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +76,19 @@ class InstanceView:
     queued: int  # requests admitted to this instance and not finished
     kv_used_tokens: int  # latest polled KV use plus what the ledger admitted since
     kv_capacity_tokens: int
+    # The instance's prefix cache, when someone tracks it (the simulator does; the live router does
+    # not yet): None means unknown, and every prefix then counts as uncached.
+    prefix_lookup: PrefixLookup | None = None
 
     def pressure_after(self, extra_tokens: int) -> float:
         """KV-cache pressure after admitting `extra_tokens` more (may exceed 1.0)."""
         return (self.kv_used_tokens + extra_tokens) / self.kv_capacity_tokens
+
+    def cached_prefix_blocks(self, prefix_hashes: tuple[int, ...]) -> int:
+        """How many leading blocks of `prefix_hashes` this instance holds cached (0 when unknown)."""
+        if self.prefix_lookup is None or not prefix_hashes:
+            return 0
+        return self.prefix_lookup(prefix_hashes)
 
 
 @dataclass(frozen=True, slots=True)

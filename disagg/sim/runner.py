@@ -98,6 +98,8 @@ def simulate(
     summary["decision_us_p99"] = _pct(result.decision_us, 99)
     summary["preemptions"] = result.preemptions
     summary["outputs_capped_to_context"] = capped
+    if "prefix_cache" in result.extra:  # only traces with prefix hashes: other summaries stay as they were
+        summary["prefix_cache"] = result.extra["prefix_cache"]
     summary["sim_wall_s"] = result.sim_wall_s
     summary["sim_requests_per_s"] = len(trace) / result.sim_wall_s if result.sim_wall_s > 0 else math.inf
     return summary, result

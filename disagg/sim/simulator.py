@@ -44,6 +44,16 @@ sends (prefill, decode, or colocated: instance and priced work) at once; a notic
 peer `peer_notify_s` later and counts in its view of that instance until the peer's next poll of
 it, whose totals then include the call. This closes the gap the polls leave — the calls sent since
 the last poll — which is what costs goodput with 50 ms polls (docs/multi-router.md).
+
+Prefix caches (`PrefixCache`, one per instance): only requests that carry prefix-block hashes
+(`TraceRequest.prefix_hashes`) use them; a request without hashes runs exactly as if they did not
+exist. When a request's prefill is admitted to an instance, the leading blocks of its prompt cached
+there are not computed again (the job starts with their KV; the last prompt token is always
+computed, as in vLLM); when the prefill ends its full blocks are cached there, and when its KV has
+reached the decode instance, there too. The KV transfer moves only the tokens of the blocks the
+decode instance does not already hold. Policies see the caches through
+`InstanceView.cached_prefix_blocks` — the engines' true, current caches (as a router fed by the
+engines' KV-cache events would), side-effect free.
 """
 
 from __future__ import annotations
@@ -61,8 +71,9 @@ from disagg.core.engine_model import EngineModel, Job
 from disagg.core.ledger import AdmittedWork, Ledger, PolledState, admission_work, others
 from disagg.core.policies import Policy
 from disagg.core.predictor import BucketMeanPredictor, OutputLengthPredictor
-from disagg.core.types import InstanceView, NoCapacity, RequestFeatures, Role, SloClass
+from disagg.core.types import PREFIX_BLOCK_TOKENS, InstanceView, NoCapacity, RequestFeatures, Role, SloClass
 from disagg.sim.metrics import RequestRecord
+from disagg.sim.prefix_cache import PrefixCache
 from disagg.sim.traces import TraceRequest
 
 # event priorities at equal times: finish work before admitting more
@@ -186,6 +197,13 @@ class Simulator:
         self._heap: list = []
         self._seq = 0
         self._step_epoch: dict[str, int] = {iid: 0 for iid in self.engines}
+        self.prefix_caches = {iid: PrefixCache(e.c.kv_capacity_tokens // PREFIX_BLOCK_TOKENS)
+                              for iid, e in self.engines.items()}
+        self._prefix_lookups = {iid: c.leading_hits for iid, c in self.prefix_caches.items()}
+        # colocated requests with hashes whose prefill has not ended: their blocks are cached when it does
+        self._awaiting_prefill: dict[str, list[_Flight]] = {iid: [] for iid in self.engines}
+        self.prefix_stats = dict.fromkeys(
+            ("requests", "prompt_tokens", "cached_tokens", "transfer_tokens", "transfer_tokens_saved"), 0)
 
     # --- event heap ----------------------------------------------------------------------------
 
@@ -240,7 +258,10 @@ class Simulator:
         self._schedule_step(iid, engine.poke(now))
         for job in engine.take_transfers():
             f: _Flight = job.payload
-            xfer = self.cm.transfer_s(f.prefill_id, f.decode_id, f.req.prompt_tokens)
+            tokens = f.req.prompt_tokens
+            if f.req.prefix_hashes:
+                tokens = self._tokens_to_transfer(f)
+            xfer = self.cm.transfer_s(f.prefill_id, f.decode_id, tokens)
             self._push(now + xfer, _TRANSFER, ("kv", f))
 
     def _poll_one(self, iid: str, k: int) -> PolledState:
@@ -315,6 +336,7 @@ class Simulator:
         now = 0.0
         perf = time.perf_counter
         heap = self._heap
+        awaiting_prefill = self._awaiting_prefill
         while heap:
             now, _, _, ev = heapq.heappop(heap)
             kind = ev[0]
@@ -325,8 +347,12 @@ class Simulator:
                 engine = self.engines[iid]
                 self._refresh(iid, now)
                 out = engine.end_step(now)
+                if awaiting_prefill[iid]:
+                    self._cache_colocated_prefills(iid)
                 for job in out.prefilled:
                     f: _Flight = job.payload
+                    if f.req.prefix_hashes:
+                        self._cache_prompt(iid, f.req)
                     self._call_ended(iid, f.router, f.prefill_work_s)  # the prefill call returns
                     dj = Job(f.rid, f.req.prompt_tokens, f.req.output_tokens, remote_kv=True, payload=f)
                     f.decode_job = dj
@@ -358,6 +384,8 @@ class Simulator:
                 self.engines[f.prefill_id].release(f.prefill_job)
                 self.ledgers[f.router].prefill_done(f.rid)
                 self.engines[f.decode_id].kv_arrived(f.decode_job)
+                if f.req.prefix_hashes:
+                    self._cache_prompt(f.decode_id, f.req)
                 self._poke(f.decode_id, now)
                 self._poke(f.prefill_id, now)
             else:  # arrival, at router i mod K
@@ -366,8 +394,10 @@ class Simulator:
                 policy = self.policies[k]
                 slo = r.slo_class or default_slo
                 predicted = self.predictors[k].predict(r.prompt_tokens, slo)
-                feats = RequestFeatures(f"r{i}", r.prompt_tokens, predicted, slo, r.output_tokens)
+                feats = RequestFeatures(f"r{i}", r.prompt_tokens, predicted, slo, r.output_tokens, r.prefix_hashes)
                 pv, dv = self._views(self.prefill_ids, now, k), self._views(self.decode_ids, now, k)
+                if r.prefix_hashes:  # only then: a request without hashes is decided exactly as before
+                    pv, dv = self._with_prefix_lookup(pv), self._with_prefix_lookup(dv)
                 try:
                     if self.record_decision_time:
                         t0 = perf()
@@ -382,6 +412,10 @@ class Simulator:
                     continue
                 f = _Flight(r, f"r{i}", slo, predicted, d.prefill_id, d.decode_id, router=k)
                 self._admit(f, now)
+        extra = {}
+        if self.prefix_stats["requests"]:
+            st = self.prefix_stats
+            extra["prefix_cache"] = {**st, "hit_rate": st["cached_tokens"] / st["prompt_tokens"]}
         return SimResult(
             records=records,
             decision_us=decision_us,
@@ -389,6 +423,7 @@ class Simulator:
             sim_wall_s=time.perf_counter() - wall0,
             preemptions=sum(e.preemptions for e in self.engines.values()),
             makespan_s=now,
+            extra=extra,
         )
 
     def _admit(self, f: _Flight, now: float) -> None:
@@ -408,15 +443,68 @@ class Simulator:
         if f.prefill_id == f.decode_id:
             job = Job(f.rid, r.prompt_tokens, r.output_tokens, payload=f)
             f.decode_job = job
+            if r.prefix_hashes:
+                self._start_from_cache(job, f.decode_id, r.prefix_hashes)
+                self._awaiting_prefill[f.decode_id].append(f)
             self._call_arrived(f.decode_id, f.router, prefill_work + decode_work)
             self.engines[f.decode_id].submit(job)
             self._poke(f.decode_id, now)
         else:
             job = Job(f.rid, r.prompt_tokens, 1, prefill_only=True, payload=f)
             f.prefill_job = job
+            if r.prefix_hashes:
+                self._start_from_cache(job, f.prefill_id, r.prefix_hashes)
             self._call_arrived(f.prefill_id, f.router, prefill_work)
             self.engines[f.prefill_id].submit(job)
             self._poke(f.prefill_id, now)
+
+    # --- prefix caches (requests with prefix hashes only) ------------------------------------------
+
+    def _with_prefix_lookup(self, views: list[InstanceView]) -> list[InstanceView]:
+        # the constructor, not dataclasses.replace (3× slower); a test checks that no field is lost
+        lookups = self._prefix_lookups
+        return [InstanceView(v.instance_id, v.role, v.backlog_s, v.queued, v.kv_used_tokens, v.kv_capacity_tokens,
+                             lookups[v.instance_id]) for v in views]
+
+    def _start_from_cache(self, job: Job, iid: str, hashes: tuple[int, ...]) -> None:
+        """The job's prompt blocks cached on `iid` are not prefilled again: it starts with their KV
+        (blocks for them are still allocated on admission: a cache hit takes KV memory in vLLM too)."""
+        cache = self.prefix_caches[iid]
+        hits = cache.leading_hits(hashes, _reusable_blocks(job.prompt, hashes))
+        st = self.prefix_stats
+        st["requests"] += 1
+        st["prompt_tokens"] += job.prompt
+        if hits:
+            cache.touch(hashes, hits)
+            # the engine model computes a prompt from `computed` on; it knows nothing of caches
+            job.computed = job.kvlen = hits * PREFIX_BLOCK_TOKENS
+            st["cached_tokens"] += job.computed
+
+    def _tokens_to_transfer(self, f: _Flight) -> int:
+        """The prompt tokens whose KV the decode instance does not already hold."""
+        hashes, prompt = f.req.prefix_hashes, f.req.prompt_tokens
+        cache = self.prefix_caches[f.decode_id]
+        held = cache.leading_hits(hashes, _reusable_blocks(prompt, hashes))
+        if held:
+            cache.touch(hashes, held)
+        held_tokens = held * PREFIX_BLOCK_TOKENS
+        self.prefix_stats["transfer_tokens"] += prompt - held_tokens
+        self.prefix_stats["transfer_tokens_saved"] += held_tokens
+        return prompt - held_tokens
+
+    def _cache_prompt(self, iid: str, req: TraceRequest) -> None:
+        """`iid` now holds the KV of the request's prompt: cache its full blocks."""
+        hashes = req.prefix_hashes
+        self.prefix_caches[iid].touch(hashes, min(len(hashes), req.prompt_tokens // PREFIX_BLOCK_TOKENS))
+
+    def _cache_colocated_prefills(self, iid: str) -> None:
+        waiting = []
+        for f in self._awaiting_prefill[iid]:
+            if f.decode_job.t_first is not None:  # its prefill ended in this step
+                self._cache_prompt(iid, f.req)
+            else:
+                waiting.append(f)
+        self._awaiting_prefill[iid] = waiting
 
     def _record(self, f: _Flight, job: Job, now: float) -> RequestRecord:
         target = self.cm.target(f.slo)
@@ -427,3 +515,9 @@ class Simulator:
             t_first=job.t_first + late, t_last=now + late, ttft_target_s=target.ttft_s, tpot_target_s=target.tpot_s,
             preemptions=job.preemptions,
         )
+
+
+def _reusable_blocks(prompt_tokens: int, hashes: tuple[int, ...]) -> int:
+    """Leading full blocks a prefill may take from a cache: not the one holding the last prompt
+    token, which is always computed (it yields the first output token), as in vLLM."""
+    return min(len(hashes), (prompt_tokens - 1) // PREFIX_BLOCK_TOKENS)

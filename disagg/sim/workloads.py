@@ -17,23 +17,35 @@ family                    prompt mean [clamp]  output mean [clamp]  shape
 short chat                ~300 [8, 4096]       ~150 [4, 1024]       decode-bound, balanced
 long prompt, short answer ~3000 [512, 16384]   ~40 [1, 256]         prefill-bound (RAG, summary)
 short prompt, long gen    ~150 [8, 1024]       ~600 [64, 4096]      decode-bound (writing, code)
+multi-turn chat           ~2300 [4, 16384]     ~250 [4, 1024]       shared prefixes (see below)
 ========================  ==================  ==================  ============================
+
+:func:`multi_turn_chat` is the one workload whose requests share prompt prefixes, and the one that
+carries prefix-block hashes (``TraceRequest.prefix_hashes``, as the Mooncake traces do), for the
+simulator's prefix caches: each turn's prompt is the whole conversation so far.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
+import itertools
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from disagg.core.types import PREFIX_BLOCK_TOKENS
 from disagg.sim.traces import TraceRequest
 
 __all__ = [
     "WORKLOADS",
+    "ConversationShape",
+    "conversations",
     "generate",
     "long_prompt_short_answer",
     "mixed_bursty",
+    "multi_turn_chat",
     "short_chat",
     "short_prompt_long_generation",
 ]
@@ -146,11 +158,124 @@ def mixed_bursty(n: int, rate_per_s: float, seed: int) -> list[TraceRequest]:
     return out
 
 
+# multi_turn_chat: a system prompt per application, the user's text and the answer of each turn
+_SYSTEM_PROMPT = _Lengths(1000, 0.3, 256, 4096)
+_USER_TEXT = _Lengths(150, 0.9, 4, 2048)
+_ANSWER = _Lengths(250, 0.7, 4, 1024)
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationShape:
+    """The knobs of :func:`conversations` and :func:`multi_turn_chat` (see there)."""
+
+    system_prompts: int = 4  # distinct system prompts shared across conversations; 0: none
+    mean_turns: float = 4.0
+    max_turns: int = 16
+    think_gaps: float = 100.0  # mean think time between turns, in mean inter-arrival gaps
+    max_context_tokens: int = 16384
+
+    def __post_init__(self) -> None:
+        if (self.system_prompts < 0 or self.mean_turns < 1 or self.max_turns < 1 or not self.think_gaps > 0
+                or self.max_context_tokens < 2):
+            raise ValueError(f"conversation shape: need system_prompts >= 0, mean_turns >= 1, max_turns >= 1, "
+                             f"think_gaps > 0 and max_context_tokens >= 2; got {self}")
+
+
+def conversations(seed: int, shape: ConversationShape = ConversationShape()) -> Iterator[list[TraceRequest]]:
+    """An endless stream of multi-turn conversations with prefix-block hashes, the material of
+    :func:`multi_turn_chat`; each is the list of its turns, whose ``arrival_s`` is the time since
+    the conversation's first turn, in mean inter-arrival gaps (scaled to seconds by the caller).
+
+    Turn k's prompt is the conversation so far: turn k-1's prompt + its answer + the user's new
+    text (~150 tokens); answers are ~250 tokens. A conversation has 1 + Geometric turns (mean
+    ``mean_turns``, at most ``max_turns``), and ends early rather than exceed
+    ``max_context_tokens``. Turns follow each other after an exponential think time of mean
+    ``think_gaps``. With ``system_prompts`` > 0, each conversation starts with one of that many
+    system prompts (~1000 tokens; drawn with weights 1, 1/2, 1/3...: a few applications dominate),
+    so prefixes are also shared across conversations; 0 means none.
+
+    Hashes follow the Mooncake convention: one per ``PREFIX_BLOCK_TOKENS`` (512) tokens of the
+    prompt, the last one for a partial block. A full block's hash names the whole prefix up to its
+    end, so turn k+1's hashes start with all but a partial last one of turn k's (that block has
+    grown into a different, full one), and conversations with the same system prompt share its
+    full blocks. Hash ids are small integers, counted from 0 in the order the blocks are drawn.
+    """
+    rng = random.Random(seed)
+    clock = random.Random(f"{seed}/think")  # times apart, so the token lengths do not depend on them
+    block_ids = itertools.count()
+    systems = []
+    for _ in range(shape.system_prompts):
+        tokens = _SYSTEM_PROMPT.draw(rng)
+        systems.append((tokens, [next(block_ids) for _ in range(tokens // PREFIX_BLOCK_TOKENS)]))
+    popularity = [1.0 / (k + 1) for k in range(shape.system_prompts)]
+    while True:
+        context, full = 0, []  # tokens so far; the hashes of their full blocks
+        if systems:
+            context, system_blocks = rng.choices(systems, popularity)[0]
+            full = list(system_blocks)
+        turns: list[TraceRequest] = []
+        offset = 0.0
+        for turn in range(shape.max_turns):
+            if turn:
+                if rng.random() < 1.0 / shape.mean_turns:
+                    break
+                offset += clock.expovariate(1.0 / shape.think_gaps)
+            prompt, answer = context + _USER_TEXT.draw(rng), _ANSWER.draw(rng)
+            if prompt + answer > shape.max_context_tokens:
+                break
+            while len(full) < prompt // PREFIX_BLOCK_TOKENS:
+                full.append(next(block_ids))
+            partial = (next(block_ids),) if prompt % PREFIX_BLOCK_TOKENS else ()
+            turns.append(TraceRequest(offset, prompt, answer,
+                                      prefix_hashes=(*full[:prompt // PREFIX_BLOCK_TOKENS], *partial)))
+            context = prompt + answer
+        if turns:  # the first turn alone may not fit the context
+            yield turns
+
+
+def multi_turn_chat(n: int, rate_per_s: float, seed: int,
+                    shape: ConversationShape = ConversationShape()) -> list[TraceRequest]:
+    """Multi-turn chat with shared prefixes: the turns of :func:`conversations`, conversations
+    starting as a Poisson process.
+
+    The process runs from well before 0 (``think_gaps × max_turns``), so the trace is a window of a
+    steady state: conversations in progress at 0 contribute their later turns. Time is drawn in
+    gap units (about one request per unit) and scaled so that the mean rate is exactly
+    ``rate_per_s``; as with the other generators, a seed gives the same requests in the same order at
+    every rate. Think times are in gaps, so they scale with the rate (100 gaps at 10 req/s: 10 s),
+    as they would under :func:`disagg.sim.traces.rescale_to_rate`.
+    """
+    _check(n, rate_per_s)
+    stream = conversations(seed, shape)
+    starts = random.Random(f"{seed}/starts")
+    start = -shape.think_gaps * shape.max_turns
+    requests: list[tuple[float, int, TraceRequest]] = []  # (time, order drawn, turn)
+    earliest: list[float] = []  # the n earliest times so far, negated: a max-heap
+    while True:
+        start += starts.expovariate(1.0 / shape.mean_turns)
+        if len(earliest) == n and start > -earliest[0]:  # no later conversation reaches the n earliest
+            break
+        for turn in next(stream):
+            t = start + turn.arrival_s
+            if t < 0.0:
+                continue
+            requests.append((t, len(requests), turn))
+            if len(earliest) < n:
+                heapq.heappush(earliest, -t)
+            elif t < -earliest[0]:
+                heapq.heapreplace(earliest, -t)
+    window = sorted(requests)[:n]
+    t0, span = window[0][0], window[-1][0] - window[0][0]
+    scale = (n - 1) / (span * rate_per_s) if span > 0 else 0.0
+    return [dataclasses.replace(r, arrival_s=(t - t0) * scale) for t, _, r in window]
+
+
 WORKLOADS: dict[str, Callable[[int, float, int], list[TraceRequest]]] = {
     "short_chat": short_chat,
     "long_prompt_short_answer": long_prompt_short_answer,
     "short_prompt_long_generation": short_prompt_long_generation,
     "mixed_bursty": mixed_bursty,
+    "multi_turn_chat": multi_turn_chat,
 }
 
 

@@ -10,6 +10,7 @@ from disagg.sim.workloads import (
     generate,
     long_prompt_short_answer,
     mixed_bursty,
+    multi_turn_chat,
     short_chat,
     short_prompt_long_generation,
 )
@@ -23,6 +24,7 @@ TABLE = [
     ("long_prompt_short_answer", 3000, 40, (512, 16384), (1, 256), (0.85, 1.15)),
     ("short_prompt_long_generation", 150, 600, (8, 1024), (64, 4096), (0.85, 1.15)),
     ("mixed_bursty", 950, 190, (8, 16384), (1, 4096), (1.8, 4.0)),
+    ("multi_turn_chat", 2300, 250, (4, 16384), (4, 1024), (0.85, 1.15)),
 ]
 
 
@@ -32,6 +34,7 @@ def test_registry_holds_the_generators():
         "long_prompt_short_answer": long_prompt_short_answer,
         "short_prompt_long_generation": short_prompt_long_generation,
         "mixed_bursty": mixed_bursty,
+        "multi_turn_chat": multi_turn_chat,
     }
     assert {row[0] for row in TABLE} == set(WORKLOADS)
 
@@ -86,6 +89,6 @@ def test_workload_rejects_bad_arguments(name, n, rate, words):
 
 
 def test_generate_unknown_name_lists_known():
-    known = "long_prompt_short_answer, mixed_bursty, short_chat, short_prompt_long_generation"
+    known = "long_prompt_short_answer, mixed_bursty, multi_turn_chat, short_chat, short_prompt_long_generation"
     with pytest.raises(ValueError, match=f"unknown workload 'chat'; known: {known}"):
         generate("chat", 10, 1.0, 0)
