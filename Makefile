@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(PY) -m disagg.graph.launch --config deployments/local.yaml
+	$(PY) -m serve_app.launch --config deployments/local.yaml
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=1800 tests

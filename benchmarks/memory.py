@@ -5,7 +5,7 @@ Usage (from the repository root, with nothing else running on the machine):
     .venv/bin/python benchmarks/memory.py --json runs/memory.json
 
 It starts deployments/local.yaml (router, 1 prefill + 2 decode vLLM engines, KV over NIXL) with
-`disagg.graph.launch.LocalStack` and measures:
+`serve_app.launch.LocalStack` and measures:
 
 1. the total resident memory of everything the stack started: the sum of PSS
    (/proc/<pid>/smaps_rollup) over the whole process tree of the Ray cluster — the processes of
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from disagg.graph.launch import LocalStack, engine_processes, ray_running
+    from serve_app.launch import LocalStack, engine_processes, ray_running
 
     if engine_processes() or ray_running():
         log("a Ray cluster or vLLM engine processes are already running; refusing to start")

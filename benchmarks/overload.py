@@ -205,7 +205,7 @@ def main(argv=None) -> int:
         ap.error(f"--rate must be a positive number of requests/s, got {args.rate}")
     stack = None
     if args.url is None:
-        from disagg.graph.launch import LocalStack
+        from serve_app.launch import LocalStack
 
         os.environ.setdefault("DISAGG_RUN_DIR", os.getcwd())
         stack = LocalStack(args.config, log=lambda m: log(f"stack: {m}"))

@@ -13,7 +13,7 @@ fallback, retry, misrouting, failure or lost instance, and its engine replicas a
 started with. After each stop the script waits (bounded) for every engine process to exit.
 
 Environment: only what a user would set (`RAY_AUTH_MODE=disabled`, `RAY_USAGE_STATS_ENABLED=0`,
-loopback). Nothing of `disagg.graph.launch` is used: this checks what the application does alone.
+loopback). Nothing of `serve_app.launch` is used: this checks what the application does alone.
 """
 
 from __future__ import annotations

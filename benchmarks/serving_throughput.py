@@ -15,10 +15,10 @@ moved over NIXL, and are driven with the same load: `--streams` concurrent strea
 (default 16), each `--tokens` output tokens (64, ignore_eos, temperature 0), distinct short
 prompts (new ones every round, the same set for every system within a round):
 
-* A — our graph: deployments/bench-1p1d.yaml deployed with `disagg.graph.launch.LocalStack`
+* A — our graph: deployments/bench-1p1d.yaml deployed with `serve_app.launch.LocalStack`
   (router ingress → prefill replica → decode replica, tokens back through the router), driven
   over HTTP (`POST /v1/completions`, SSE) with httpx.
-* B — the same engines' limit: two `disagg.graph.engine.VllmEngine` objects (prefill, decode) in
+* B — the same engines' limit: two `serve_app.engine.VllmEngine` objects (prefill, decode) in
   *this* process, outside Ray; per request `prefill()` then `decode()` with the prefill's
   `kv_transfer_params`. No HTTP, no tokenization in the timed path (prompts are tokenized before
   the round), no Serve hop: a stricter limit than two bare vLLM API servers.
@@ -192,11 +192,11 @@ async def engine_request(P, D, rid: str, ids: list[int], tokens: int) -> Result:
 
 def raylm_llm_config(model_path: str, engine_cpus: float = 0.5) -> dict:
     """One LLMConfig for Ray Serve LLM on this CPU machine (CPU-STACK.md), engine settings as ours."""
-    from disagg.graph.engine import nixl_reserved_cpus
+    from serve_app.engine import nixl_reserved_cpus
 
     env = {
         # the two CPU tunings: OpenMP on the core NixlConnector pins the worker to; the NIXL agent
-        # without its busy-polling progress thread comes from disagg.graph.vllm_plugin, a vLLM
+        # without its busy-polling progress thread comes from serve_app.vllm_plugin, a vLLM
         # general plugin installed in this venv, so it is live in Ray Serve LLM's engines too.
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in nixl_reserved_cpus()),
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
@@ -233,7 +233,7 @@ print("deployed", flush=True)
 
 def deploy_raylm(model_path: str, timeout_s: float, direct: bool = False, prefill_replicas: int = 1,
                  decode_replicas: int = 1, engine_cpus: float = 0.5) -> None:
-    from disagg.graph.launch import RAY_ENV  # loopback only: without it ray.init hangs on the eth0 address
+    from serve_app.launch import RAY_ENV  # loopback only: without it ray.init hangs on the eth0 address
 
     cfg = raylm_llm_config(model_path, engine_cpus)
     pd = {"prefill_config": cfg, "decode_config": json.loads(json.dumps(cfg))}
@@ -368,9 +368,9 @@ async def bench(args, systems: list[str], labels: dict[str, str]) -> dict:
     try:
         if "B" in systems:
             from disagg.core.types import Role
-            from disagg.graph.engine import EngineSpec, VllmEngine
-            from disagg.graph.ports import claim_port
-            from disagg.graph.tiny_model import build_tiny_model
+            from serve_app.engine import EngineSpec, VllmEngine
+            from serve_app.ports import claim_port
+            from serve_app.tiny_model import build_tiny_model
 
             model = str(build_tiny_model())
             for role in (Role.PREFILL, Role.DECODE):
@@ -571,7 +571,7 @@ def main(argv=None) -> int:
     run_dir = Path(os.environ.get("DISAGG_RUN_DIR", os.getcwd()))
     os.environ["DISAGG_RUN_DIR"] = str(run_dir)
 
-    from disagg.graph.launch import LocalStack, engine_processes, ray_running
+    from serve_app.launch import LocalStack, engine_processes, ray_running
 
     stack = LocalStack(args.config, log=lambda m: log(f"stack: {m}"), ready_timeout_s=args.start_timeout)
     request_log = stack.apps[0][1].router.request_log
@@ -590,7 +590,7 @@ def main(argv=None) -> int:
     try:
         stack.start()  # A's app; C joins the same cluster; B needs no Ray at all
         if "C" in systems:
-            from disagg.graph.tiny_model import build_tiny_model
+            from serve_app.tiny_model import build_tiny_model
 
             deploy_raylm(str(build_tiny_model()), args.start_timeout, direct=args.mode == "direct")
         data = asyncio.run(bench(args, systems, labels))

@@ -64,8 +64,8 @@ def main(argv=None) -> int:
     from disagg.bench.harness import BenchConfig, BenchError, GateFailed, run_bench
     from disagg.cli import UsageError, parse_policies, resolve_trace
     from disagg.core.cost_model import load_profile
-    from disagg.graph.launch import LocalStack, ray_running
-    from disagg.graph.tiny_model import build_tiny_model
+    from serve_app.launch import LocalStack, ray_running
+    from serve_app.tiny_model import build_tiny_model
     from disagg.sim.traces import write_native
     from disagg.sim.workloads import generate
     from live_miscalibration import set_cost_model

@@ -8,7 +8,7 @@ Usage (from the repository root, with no other Ray cluster on the machine):
     .venv/bin/python benchmarks/ttft_estimator_live.py --url http://127.0.0.1:8000 --log runs/multi-requests.jsonl
 
 It serves deployments/local-multi.yaml (tiny:tiny and tiny:small, one colocated vLLM engine each)
-with `disagg.graph.launch.LocalStack`, and drives `model: auto` open-loop: at each rate, `--requests`
+with `serve_app.launch.LocalStack`, and drives `model: auto` open-loop: at each rate, `--requests`
 streaming completions with Poisson arrivals (seeded), prompts of 16–1,500 tokens (log-uniform),
 `--tokens` output tokens (ignore_eos), random token ids (no prefix-cache hits), each with a TTFT limit drawn from `--limits-ms` and λ = 0,
 so the alias trades the accurate small model against the fast tiny one request by request.
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     else:
         import tempfile
 
-        from disagg.graph.launch import LocalStack
+        from serve_app.launch import LocalStack
 
         with tempfile.TemporaryDirectory() as run_dir:
             os.environ["DISAGG_RUN_DIR"] = run_dir

@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     add_cli_args(parser)
     args = parser.parse_args(argv)
     if not getattr(args, "tokenizer", None):
-        from disagg.graph.tiny_model import build_tiny_model
+        from serve_app.tiny_model import build_tiny_model
 
         args.tokenizer = str(build_tiny_model())
     result = bench_main(args)

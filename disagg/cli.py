@@ -340,9 +340,9 @@ def cmd_calibrate(args) -> int:
 
     import statistics
 
-    from disagg.calibration.fit import CalibrationError, fit_cost_model, held_out_error, serving_overhead
-    from disagg.calibration.measure import SERVING_PROBE_TOKENS, Calibrator, Plan, app_ttfts
-    from disagg.graph.config import ConfigError, load_serve_config
+    from calibration.fit import CalibrationError, fit_cost_model, held_out_error, serving_overhead
+    from calibration.measure import SERVING_PROBE_TOKENS, Calibrator, Plan, app_ttfts
+    from serve_app.config import ConfigError, load_serve_config
 
     try:
         apps = load_serve_config(args.config)
@@ -407,7 +407,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_check_config(args) -> int:
-    from disagg.graph.config import ConfigError, load_serve_config
+    from serve_app.config import ConfigError, load_serve_config
 
     try:
         apps = load_serve_config(args.config)
@@ -423,7 +423,7 @@ def cmd_check_config(args) -> int:
 
 
 def cmd_tiny_model(args) -> int:
-    from disagg.graph.tiny_model import build_tiny_model
+    from serve_app.tiny_model import build_tiny_model
 
     print(build_tiny_model(Path(args.dest) if args.dest else None, size=args.size))
     return 0

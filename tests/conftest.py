@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def stack(tmp_path_factory):
     """The CPU profile (deployments/local.yaml) running for real: Ray on loopback, the router,
     1 prefill + 2 decode vLLM engines with NIXL. Started once per test session, stopped at the end."""
-    from disagg.graph.launch import LocalStack, engine_processes
+    from serve_app.launch import LocalStack, engine_processes
 
     if os.environ.get("DISAGG_STACK_URL"):  # develop against a stack already up (`make run`)
         yield SimpleNamespace(base_url=os.environ["DISAGG_STACK_URL"], run_dir=Path.cwd())
@@ -41,7 +41,7 @@ def _admin_state(base_url: str) -> dict:
 
 def _assert_nothing_failed_unprovoked(stack) -> None:
     """Fail the session loudly on any engine death, replacement, fallback or retry no test provoked."""
-    from disagg.graph.launch import engine_processes
+    from serve_app.launch import engine_processes
 
     state = _admin_state(stack.base_url)
     problems = unprovoked_failures(state["counters"], stack.provoked, stack.engines_at_start,

@@ -114,7 +114,7 @@ def make_request(
     )
 
 
-# --- stand-in engine pools for the router run in-process (tests/graph) -------------------------------
+# --- stand-in engine pools for the router run in-process (tests/serve_app) -------------------------------
 
 class BroadcastResults:
     """What a pool handle's `broadcast(...)` returns: the replies, fetched with `results_async`."""
@@ -128,7 +128,7 @@ class BroadcastResults:
 
 def idle_state(replica: str, role: Role | str, admitted: dict | None = None):
     """An engine's state report with nothing running and a 64k-token KV cache."""
-    from disagg.graph.messages import EngineStateReport
+    from serve_app.messages import EngineStateReport
 
     return EngineStateReport(replica=replica, role=Role(role), running=0, waiting=0, kv_used_tokens=0,
                              kv_capacity_tokens=65536, prefix_cache_hits=0, prefix_cache_queries=0,
@@ -149,7 +149,7 @@ class StandInPool:
         return idle_state(replica, self.role)
 
     async def prefill_reply(self, call, replica: str):
-        from disagg.graph.messages import PrefillReply
+        from serve_app.messages import PrefillReply
 
         return PrefillReply(kv_transfer_params={"remote": replica}, first_token_id=7, engine_ttft_s=0.001,
                             replica=replica)

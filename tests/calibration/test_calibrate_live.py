@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from disagg.calibration.fit import REFERENCE_PROMPT, SLO_HEADROOM
+from calibration.fit import REFERENCE_PROMPT, SLO_HEADROOM
 from disagg.core.cost_model import CostModel
 from disagg.core.types import SloClass
 

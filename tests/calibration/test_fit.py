@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from disagg.calibration.fit import (
+from calibration.fit import (
     LOOSE_FACTOR, REFERENCE_PROMPT, SLO_HEADROOM, CalibrationError, Measurements, Sample, fit_cost_model, fit_linear,
     held_out_error, serving_overhead,
 )

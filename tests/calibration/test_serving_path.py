@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from bench.test_loadgen import StubServer
-from disagg.calibration.measure import app_ttfts
+from calibration.measure import app_ttfts
 
 
 def test_app_ttfts_times_lone_requests_after_one_unmeasured():

@@ -1,0 +1,199 @@
+"""Measure the target hardware with real engines: the inputs of `fit`.
+
+Starts one prefill and one decode engine from the deployment config's engine settings (the same
+`EngineSpec` the Serve replicas build), in this process, with NIXL between them, and measures:
+- prefill latency of lone prompts over several lengths (random token ids: no prefix-cache hits),
+  each length once unmeasured first (an idle engine's wake-up is not prefill work); each
+  prefill's KV is then handed to the decode engine, which gives
+- the KV hand-off time: the decode engine's first-token time with remote KV minus one decode step;
+- decode step time at several concurrencies: the median gap between streamed tokens once every
+  stream of the batch is running, each concurrency several times in rotating order;
+- the engine's KV capacity.
+A second, interleaved set of prefill lengths and concurrencies is kept out of the fit for the
+held-out check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from calibration.fit import Measurements, Sample
+from disagg.core.types import Role
+from serve_app.config import AppConfig
+from serve_app.engine import VllmEngine
+
+GREEDY = {"temperature": 0.0}
+SERVING_PROBE_TOKENS = 64  # prompt of the lone requests that measure the serving path
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    prefill_lengths: tuple[int, ...]
+    held_out_lengths: tuple[int, ...]
+    concurrencies: tuple[int, ...]
+    held_out_concurrencies: tuple[int, ...]
+    repeats: int
+    decode_tokens: int
+
+    @classmethod
+    def for_context(cls, max_model_len: int, max_num_seqs: int, quick: bool) -> "Plan":
+        top = min(max_model_len - 64, 1536)
+        lengths = tuple(sorted({max(16, int(top * f)) for f in (0.05, 0.15, 0.3, 0.5, 0.75, 1.0)}))
+        held = tuple(sorted({max(16, int(top * f)) for f in (0.1, 0.4, 0.9)}))
+        conc = tuple(c for c in (1, 2, 4, 8, 16, 32) if c <= max_num_seqs)
+        held_c = tuple(c for c in (3, 12) if c <= max_num_seqs)
+        if quick:
+            return cls(lengths[::2] + lengths[-1:], held[:2], tuple(c for c in (1, 4, 16) if c <= max_num_seqs),
+                       held_c[:1], 2, 32)
+        return cls(lengths, held, conc, held_c, 3, 48)
+
+    def steps(self) -> int:
+        return (len(self.prefill_lengths) * self.repeats + len(self.held_out_lengths)
+                + len(self.concurrencies) + len(self.held_out_concurrencies))
+
+
+@dataclass(slots=True)
+class Result:
+    measurements: Measurements
+    held_out_prefill: list[Sample]
+    held_out_decode: list[Sample]
+    seconds: float
+
+
+class Calibrator:
+    def __init__(self, cfg: AppConfig, seed: int = 0) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(seed)
+        self.vocab = 1000
+        self._n = 0
+
+    def _ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(10, self.vocab) for _ in range(n)]
+
+    def _rid(self, tag: str) -> str:
+        self._n += 1
+        return f"calib-{tag}-{self._n}"
+
+    async def run(self, plan: Plan, progress: Callable[[int], None] = lambda n: None) -> Result:
+        from serve_app.engine_server import engine_spec
+        from serve_app.ports import claim_port
+
+        t0 = time.perf_counter()
+        host = "127.0.0.1"
+        ports = [claim_port(host, self.cfg.engine.side_channel_ports) for _ in range(2)]
+        P = VllmEngine(engine_spec(self.cfg, Role.PREFILL, host, ports[0].port))
+        D = VllmEngine(engine_spec(self.cfg, Role.DECODE, host, ports[1].port))
+        started = []
+        try:
+            for e in (P, D):
+                await e.start()
+                started.append(e)
+            self.vocab = min(len(D.tokenizer), 50_000)
+            await self._decode_step(D, 1, 8)  # wake-up, unmeasured
+            step1 = await self._decode_step(D, 1, plan.decode_tokens)
+            prefill, transfer = [], []
+            for p in plan.prefill_lengths:
+                # An engine idle for a moment pays a wake-up on its next request (tens of ms on a
+                # small CPU): one unmeasured request first, so the fit sees the engine at work.
+                await self._prefill_and_handoff(P, D, p, step1)
+                for _ in range(plan.repeats):
+                    s, x = await self._prefill_and_handoff(P, D, p, step1)
+                    prefill.append(s)
+                    transfer.append(x)
+                    progress(1)
+            held_prefill = []
+            for p in plan.held_out_lengths:
+                await self._prefill_and_handoff(P, D, p, step1)
+                s, _ = await self._prefill_and_handoff(P, D, p, step1)
+                held_prefill.append(s)
+                progress(1)
+            # Every concurrency is measured `repeats` times in rotating order, so a slow moment of
+            # a shared machine lands on different concurrencies rather than bending the curve.
+            decode = []
+            conc = list(plan.concurrencies)
+            for r in range(plan.repeats):
+                for b in conc[r % len(conc):] + conc[:r % len(conc)]:
+                    decode.append(Sample(b, await self._decode_step(D, b, plan.decode_tokens)))
+            progress(len(conc))
+            held_decode = []
+            for b in plan.held_out_concurrencies:
+                held_decode.append(Sample(b, await self._decode_step(D, b, plan.decode_tokens)))
+                progress(1)
+            state = await D.state()
+            e = self.cfg.engine
+            m = Measurements(prefill=prefill, decode=decode, transfer=transfer,
+                             kv_capacity_tokens=state.kv_capacity_tokens, model=self.cfg.model.source,
+                             block_size=e.block_size or 16, max_num_seqs=e.max_num_seqs,
+                             max_batched_tokens=e.max_num_batched_tokens)
+            return Result(m, held_prefill, held_decode, time.perf_counter() - t0)
+        finally:
+            for e in started:
+                await e.shutdown()
+            for claim in ports:
+                claim.release()
+
+    async def _prefill_and_handoff(self, P: VllmEngine, D: VllmEngine, p: int, step1: float) -> tuple[Sample, Sample]:
+        ids = self._ids(p)
+        rid = self._rid("p")
+        r = await P.prefill(rid, ids, {"max_tokens": 1, **GREEDY})
+        t = time.perf_counter()
+        async for _ in D.decode(rid, ids, {"max_tokens": 1, **GREEDY}, r.kv_transfer_params):
+            break
+        first = time.perf_counter() - t
+        # the decode engine's first token = pulling the KV + one step over the last prompt token
+        return Sample(p, r.engine_ttft_s), Sample(p, max(first - step1, 1e-6))
+
+    async def _decode_step(self, D: VllmEngine, batch: int, tokens: int) -> float:
+        """Median inter-token gap while all `batch` streams run together."""
+        gaps: list[float] = []
+        started = 0
+        all_running = asyncio.Event()
+
+        async def one() -> None:
+            nonlocal started
+            last = None
+            async for chunk in D.decode(self._rid("d"), self._ids(16), {"max_tokens": tokens, "ignore_eos": True,
+                                                                       **GREEDY}, None):
+                now = time.perf_counter()
+                if last is None:
+                    started += 1
+                    if started == batch:
+                        all_running.set()
+                elif all_running.is_set():
+                    gaps.append((now - last) / max(1, len(chunk.token_ids)))
+                last = now
+
+        await asyncio.gather(*(one() for _ in range(batch)))
+        if not gaps:
+            raise RuntimeError(f"no decode steps observed at concurrency {batch}")
+        return statistics.median(gaps)
+
+
+async def app_ttfts(url: str, prompt_tokens: int, n: int, seed: int = 0, timeout_s: float = 60.0) -> list[float]:
+    """Client TTFT of `n` lone streaming requests through a running app (one at a time, random
+    token ids so no prefix-cache hits, one unmeasured first): what the serving path adds to the
+    engines' own time, unloaded. Sent and timed by the bench's client, as every live figure is."""
+    import httpx
+
+    from disagg.bench.loadgen import PlannedRequest, make_client, prompt_seed, send_one
+
+    out: list[float] = []
+    async with make_client(url, timeout_s=timeout_s, max_connections=1) as client:
+        try:
+            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+            raise RuntimeError(f"{url}: no model from /v1/models ({type(e).__name__}: {e})") from None
+        for i in range(n + 1):
+            req = PlannedRequest(index=i, at_s=0.0, prompt_tokens=prompt_tokens, max_tokens=2,
+                                 prompt_seed=prompt_seed(seed, "calibrate/serving", i))
+            r = await send_one(client, model, req, timeout_s=timeout_s)
+            if r.error or r.ttft_s is None:
+                raise RuntimeError(f"{url}/v1/completions: {r.error or 'a streamed completion carried no token'}")
+            if i:  # the first one wakes an idle path up
+                out.append(r.ttft_s)
+    return out

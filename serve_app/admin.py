@@ -1,0 +1,121 @@
+"""The router's control plane, behind `/admin/*` (the ingress holds the routes and delegates here).
+
+- `state()`: the models' policies and cost models, every live instance's latest poll with its
+  ledger backlog and queue, the requests in flight and the counters;
+- `set_policy(body)`: switch P/D policy without restarting engines: `{"name", "params", "model"}`;
+- `set_cost_model(body)`: reload a model's cost model: a shipped profile name, or a YAML file inside
+  `router.cost_model_dir` (`access.CostModelFiles`; anything else is one 400 that does not
+  say whether the path exists);
+- `reset_prefix_cache()`: drop every engine's cached prefixes (between benchmark runs).
+A body naming no `model` applies to every model. Invalid bodies raise `ApiError` (400) naming the
+field, and change nothing: every target's new policy is built before any is swapped in.
+Who may call these is the ingress's business (`access.Access.admin`), checked before they run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Mapping
+
+from disagg.core.cost_model import CostModelError
+from disagg.core.ledger import Ledger
+from disagg.core.policies import PolicyError, build_policy, known_policies
+from serve_app.access import CostModelFiles
+from serve_app.openai_api import ApiError
+from serve_app.registry import InstanceRegistry
+from serve_app.request_log import Counters
+from serve_app.served_model import ServedModel
+
+
+class Admin:
+    def __init__(self, models: Mapping[str, ServedModel], registry: InstanceRegistry, ledger: Ledger,
+                 counters: Counters, alias: str | None, lam: float, replica_index: int = 0,
+                 cost_model_files: CostModelFiles = CostModelFiles()) -> None:
+        self.models = models
+        self.cost_model_files = cost_model_files  # what set_cost_model may load (default: profile names only)
+        self.replica_index = replica_index  # policies are built for this router replica (`Policy.for_replica`)
+        self.registry = registry
+        self.ledger = ledger
+        self.counters = counters
+        self.alias = alias
+        self.lam = lam
+
+    def state(self) -> dict:
+        first = next(iter(self.models.values()))  # the one-model fields predate several models
+        return {
+            "policy": first.policy.name, "policy_params": first.policy_params,
+            "cost_model": first.cost_model.name, "alias": self.alias, "lambda": self.lam,
+            "models": {m.name: {"policy": m.policy.name, "policy_params": m.policy_params,
+                                "cost_model": m.cost_model.name,
+                                "layout": "colocated" if m.cfg.is_colocated else "disaggregated"}
+                       for m in self.models.values()},
+            "instances": {i.instance_id: {"role": i.role.value, "model": i.model, **i.report.as_dict(),
+                                          "backlog_s": self.ledger.backlog_s(i.instance_id),
+                                          "queued": self.ledger.queued(i.instance_id)}
+                          for i in self.registry.instances.values()},
+            "in_flight": len(self.ledger), "counters": asdict(self.counters),
+        }
+
+    def _targets(self, body: dict) -> list[ServedModel]:
+        """The models an admin call applies to: `model` in the body, else all of them."""
+        name = body.get("model")
+        if name is None:
+            return list(self.models.values())
+        if name not in self.models:
+            raise ApiError(f"unknown model {name!r}; served: {sorted(self.models)}", param="model")
+        return [self.models[name]]
+
+    def set_policy(self, raw_body: bytes) -> dict:
+        """{"name": ..., "params": {...}, "model": ...} (without `model`: every model; a colocated
+        model takes only 'colocated')."""
+        try:
+            body = json.loads(raw_body)
+            name, params = body["name"], body.get("params") or {}
+            targets = self._targets(body)
+            built = []
+            for m in targets:
+                policy = build_policy(name, m.cost_model, params).for_replica(self.replica_index)
+                if policy.simulator_only:
+                    raise PolicyError(f"policy {name!r} runs in the simulator only")
+                if m.cfg.is_colocated and name != "colocated":
+                    raise ApiError(f"model {m.name!r} is colocated: its only policy is 'colocated'", param="model")
+                built.append(policy)
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise ApiError('body must be {"name": <policy>, "params": {...}}', param="name") from None
+        except PolicyError as e:
+            raise ApiError(str(e), param="name") from None
+        for m, policy in zip(targets, built):
+            m.policy, m.policy_params = policy, dict(params)
+        return {"policy": name, "params": params, "models": [m.name for m in targets],
+                "known": known_policies(False)}
+
+    def set_cost_model(self, raw_body: bytes) -> dict:
+        """{"cost_model": <profile name, or YAML path inside cost_model_dir>, "model": ...} (`model` may
+        be left out when the app serves one model); the model's policy is rebuilt on it."""
+        try:
+            body = json.loads(raw_body)
+            source = body["cost_model"]
+            targets = self._targets(body)
+            if len(targets) != 1:
+                raise ApiError(f"this app serves {len(self.models)} models: name one with 'model'", param="model")
+            m = targets[0]
+            cm = self.cost_model_files.load(source)
+            if cm.calibrated and cm.model and cm.model != m.cfg.model.source:
+                raise CostModelError(f"{source} was calibrated for model {cm.model!r}; this app serves "
+                                     f"{m.cfg.model.source!r}")
+            policy = build_policy(m.policy.name, cm, m.policy_params).for_replica(self.replica_index)
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise ApiError('body must be {"cost_model": <profile name or path>}', param="cost_model") from None
+        except (CostModelError, PolicyError) as e:
+            raise ApiError(str(e), param="cost_model") from None
+        m.cost_model, m.policy = cm, policy
+        return {"cost_model": cm.name, "calibrated": cm.calibrated, "model": m.name}
+
+    async def reset_prefix_cache(self) -> dict:
+        out = {}
+        for m in self.models.values():
+            for role, h in m.handles.items():
+                key = role.value if len(self.models) == 1 else f"{m.name}:{role.value}"
+                out[key] = await h.broadcast("reset_prefix_cache").results_async(timeout_s=30.0)
+        return out

@@ -1,0 +1,539 @@
+"""The dispatcher: one validated request's life, from the routing decision to its last token.
+
+Per request (a `Flight`), after the ingress has validated and tokenized it:
+1. predict the output length (`max_tokens` exactly when `ignore_eos`), take the instance views from
+   the registry and call the model's P/D policy — the same object the simulator runs;
+2. admit to the ledger; prefill on exactly the chosen prefill replica (`pinned_router`), retrying
+   another prefill replica (`prefill_retries`) and finally prefilling on the decode replica;
+3. start the decode on exactly the chosen decode replica with the prefill's `kv_transfer_params`
+   and wait for its first token before the ingress answers, so a failure still gets a proper
+   status code; a decode that fails before its first token is retried once on another decode
+   replica, which prefills locally;
+4. stream (or collect) the tokens; on the first token the KV has left the prefill instance
+   (`ledger.prefill_done`); at the end `ledger.finish`, the predictor learns the natural output
+   length, and the request log gets one line with the decision and its per-term costs;
+5. a decode that fails mid-stream is migrated (`migration_limit` times at most): another decode
+   instance prefills the prompt plus the tokens generated so far and streams the rest, so the
+   client gets the whole answer in one stream (the same text, under greedy sampling). A request
+   with structured output is not migrated: its grammar cannot resume mid-answer.
+A client that goes away cancels the in-flight prefill or decode call; Serve propagates the
+cancellation into the engine replica, where vLLM aborts the request. A prefill's KV that no decode
+will pull (the client left, or the decode failed over to a local prefill) is released at once
+through the decode engine (`release_kv`), instead of pinning the prefill engine's blocks until
+their lease runs out.
+An engine that refuses the request itself (`messages.InvalidRequest`: vLLM's validation, e.g. a
+schema it cannot compile) makes it a 400 naming the field, at once: no other instance is tried, and
+no retry or failure is counted (another engine would refuse it too; the instance is healthy).
+
+The alias route (several models, a request naming the alias, `auto` by default) comes before
+step 1: every instance of every model is a candidate, each candidate's TTFT is estimated by
+simulating its batching forward from the snapshot the router keeps of it
+(`serve_app.instance_state`, which lists the approximations), and `route_by_latency` picks the
+instance maximising accuracy − λ·cost among those within the query's TTFT limit (the fastest when
+none is). Candidates are the engines a query starts on: a colocated model's engines, and a
+disaggregated model's prefill engines (its P/D policy then picks the decode engine; the estimate
+leaves out the KV transfer and the decode engine's first step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from disagg.core.ledger import Ledger, admission_work
+from disagg.core.latency_routing import ModelInstance, route_by_latency
+from disagg.core.policies import Colocated
+from disagg.core.predictor import BucketMeanPredictor
+from disagg.core.ttft_estimator import TtftEstimateError
+from disagg.core.types import Decision, NoCapacity, RequestFeatures, Role, SloClass
+from disagg.core.utility import AccuracyTable, Choice
+from serve_app.instance_state import FlightFacts, instance_snapshot
+from serve_app.metrics import RouterMetrics
+from serve_app.messages import DecodeCall, DecodeChunk, InvalidRequest, PrefillCall, PrefillReply
+from serve_app.openai_api import ApiError, openai_param
+from serve_app.registry import Instance, InstanceRegistry
+from serve_app.request_log import Counters, RequestLog, request_record
+from serve_app.served_model import ServedModel
+
+logger = logging.getLogger("ray.serve")
+ABANDONED_PREFILL_WAIT_S = 60.0  # how long a cancelled request's prefill is awaited to release its KV
+
+
+@dataclass(slots=True)
+class Flight:
+    """One request from validation to its last token: what was asked, decided and observed."""
+
+    rid: str
+    req: Any  # the parsed OpenAI request
+    chat: bool
+    slo: SloClass
+    prompt_ids: list[int]  # tokenized for `model`
+    sampling: dict
+    model: ServedModel | None = None
+    choice: Choice | None = None  # the alias route's choice (None: the request named its model)
+    ttft_limit_s: float | None = None  # the alias route's TTFT limit
+    lam: float | None = None  # the alias route's λ
+    prefilled: bool = False
+    decision: Decision | None = None
+    predicted: int | None = None  # predicted output tokens
+    decision_us: float | None = None
+    alias_us: float | None = None
+    admitted: bool = False  # in the ledger
+    work_s: tuple[float, float] = (0.0, 0.0)  # the prefill and decode work the ledger admitted it with
+    t_arrival: float | None = None
+    t_first: float | None = None
+    actual_prefill: str | None = None  # the instances that served it (the decision may have failed over)
+    actual_decode: str | None = None
+    fallback: str | None = None
+    prefill_engine_s: float | None = None
+    decode_engine_first_s: float | None = None
+    stream: Any = None  # the decode's response stream
+    first_chunk: DecodeChunk | None = None  # received before answering, relayed first
+    generated: int = 0  # output tokens relayed so far
+    output_ids: list[int] = field(default_factory=list)  # ... and their ids (a migration prefills them)
+    migrated_from: list[str] = field(default_factory=list)  # decode instances that failed mid-stream
+    finish_reason: str | None = None
+    finished: bool = False
+
+    def route_header(self) -> str:
+        """The `x-disagg-route` header: the choice and decision with their costs, and who served."""
+        h = self.decision.header_value() if self.decision else ""
+        if self.choice is not None:
+            h = f"{self.choice.header_value()}; {h}"
+        actual = f"; served_prefill={self.actual_prefill}; served_decode={self.actual_decode}"
+        return h + actual + (f"; fallback={self.fallback}" if self.fallback else "")
+
+
+def _last_line(e: BaseException | None) -> str:
+    """A remote error's own message, without the Ray traceback around it."""
+    lines = str(e).strip().splitlines()
+    return lines[-1][:500] if lines else type(e).__name__
+
+
+def _refused(e: BaseException) -> InvalidRequest | None:
+    """The engine's `InvalidRequest` behind `e`, if that is what `e` is: Ray delivers it as a
+    `RayTaskError` that is also an `InvalidRequest`, with the original as `.cause`."""
+    for x in (getattr(e, "cause", None), e):
+        if isinstance(x, InvalidRequest):
+            return x
+    return None
+
+
+def _bad_request(f: "Flight", refused: InvalidRequest) -> ApiError:
+    param = openai_param(refused.param, f.chat)
+    return ApiError(f"{param}: {refused.message}" if param else refused.message, param=param)
+
+
+def _detached(step) -> asyncio.Task:
+    """A task outside the current request's context: Serve cancels every call made in a request's
+    context when the request is cancelled, and these calls must outlive it."""
+    return asyncio.get_running_loop().create_task(step, context=contextvars.Context())
+
+
+def continuation_sampling(sampling: dict, generated: int) -> dict:
+    """The sampling settings that continue a completion after `generated` of its tokens, once those
+    are part of the prompt: fewer tokens left to generate and to force."""
+    s = dict(sampling, max_tokens=sampling["max_tokens"] - generated)
+    if "min_tokens" in s:
+        s["min_tokens"] = max(0, s["min_tokens"] - generated)
+        if not s["min_tokens"]:
+            del s["min_tokens"]
+    return s
+
+
+def _no_capacity(e: NoCapacity) -> ApiError:
+    return ApiError(f"no capacity: {e}", status=503, kind="service_unavailable")
+
+
+class Dispatcher:
+    """Runs each request through the engines; keeps the requests in flight (`flights`)."""
+
+    def __init__(self, registry: InstanceRegistry, ledger: Ledger, counters: Counters, log: RequestLog,
+                 accuracy: AccuracyTable, prefill_retries: int, multi_model: bool, router_id: str = "",
+                 migration_limit: int = 1, metrics: RouterMetrics | None = None) -> None:
+        self.registry = registry
+        self.router_id = router_id  # this router replica: engines keep their ledger of our calls under it
+        self.ledger = ledger
+        self.counters = counters
+        self.log = log
+        self.accuracy = accuracy
+        self.prefill_retries = prefill_retries
+        self.migration_limit = migration_limit
+        self.metrics = metrics  # the Prometheus series each finished request feeds (None: not exported)
+        self.multi_model = multi_model
+        self.alias_predictor = BucketMeanPredictor()  # output lengths of alias requests, across models
+        self.flights: dict[str, Flight] = {}  # admitted and not finished, in admission order
+        self._prefill_locally: dict[str, Colocated] = {}  # per model: its placement while no prefill instance is up
+        self._background: set[asyncio.Task] = set()  # KV releases under way (held: tasks are weakly referenced)
+
+    async def start(self, f: Flight, alias_prompts: dict[str, list[int]] | None = None) -> None:
+        """Route, prefill, and get the first token (so errors still have a status code).
+
+        `alias_prompts`: the request named the alias; each candidate model's tokenized prompt.
+        Raises ApiError (or CancelledError) after finishing the request."""
+        try:
+            if alias_prompts is not None:
+                self._choose_model(f, alias_prompts)
+            await self._route_and_admit(f)
+            kv = None if f.decision.colocated else await self._prefill(f)
+            f.prefilled = True
+            try:
+                await self._first_token(f, kv)
+            except BaseException:
+                if kv is not None:  # its KV waits on the prefill engine for a pull that will not come
+                    self._release_kv(f, kv)
+                raise
+            if kv is not None and f.fallback == "decode_retry_local_prefill":  # ... nor will it here
+                self._release_kv(f, kv)
+        except ApiError as e:
+            if e.status < 500:
+                self.counters.rejected_400 += 1  # the request's fault: no instance failed
+            else:
+                self.counters.failed += 1
+            self.finish(f, error=e.message)
+            raise
+        except asyncio.CancelledError:
+            self.counters.cancelled += 1
+            self.finish(f, error="cancelled by client")
+            raise
+
+    def _release_kv(self, f: Flight, kv: dict) -> None:
+        """Have the chosen decode engine tell the prefill engine to free `f`'s KV now (not at the
+        end of its lease): the request went away, or failed, before its decode pulled it. In the
+        background: the request's own task is being cancelled. A decode that had started pulling
+        has freed it already; the second notice is ignored. Any decode engine can send the notice:
+        the one serving the request, else the one chosen for it, else any other."""
+        m = f.model
+        pool = [i.instance_id for i in self.registry.pool(m, m.decode_role)]
+        inst = next((self.registry.get(i) for i in (f.actual_decode, f.decision.decode_id, *pool)
+                     if i is not None and self.registry.get(i) is not None), None)
+        if inst is None:
+            return
+        handle = f.model.handles[f.model.decode_role]
+
+        async def release() -> None:
+            await handle.release_kv.remote(f"{f.rid}-release", kv, replica=inst.replica)
+        self._in_background(release())
+
+    def _in_background(self, step) -> None:
+        """Run `step` beyond the request's own task (which is being cancelled or has ended)."""
+        task = _detached(step)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("router: releasing an abandoned prefill's KV failed: %s", _last_line(task.exception()))
+
+    # --- the routing decision ------------------------------------------------------------------
+
+    def _snapshot_facts(self, inst: Instance) -> list[FlightFacts]:
+        facts = []
+        prefill_side = inst.role is Role.PREFILL
+        for f in self.flights.values():
+            d = f.decision
+            on = d.prefill_id == inst.instance_id if prefill_side else d.decode_id == inst.instance_id
+            if not on:
+                continue
+            started = f.prefilled if prefill_side else f.t_first is not None
+            facts.append(FlightFacts(len(f.prompt_ids), f.predicted or 1, started, f.generated))
+        return facts
+
+    def _choose_model(self, f: Flight, prompts: dict[str, list[int]]) -> None:
+        """Route the alias: pick the instance (and so the model) by accuracy − λ·cost within the TTFT limit."""
+        models = [self.registry.models[name] for name in prompts]
+        p = max(len(ids) for ids in prompts.values())  # tokenizers may differ: price the longest
+        room = min(m.cfg.model.max_model_len - len(prompts[m.name]) for m in models)
+        max_tokens = f.req.max_tokens or room
+        f.predicted = max_tokens if f.req.ignore_eos else min(max_tokens, self.alias_predictor.predict(p, f.slo))
+        candidates = []
+        for m in models:
+            for inst in self.registry.pool(m, m.start_role):
+                c = self.registry.constants(m, inst)
+                snap = instance_snapshot(self._snapshot_facts(inst), c, prefill_only=inst.role is Role.PREFILL)
+                candidates.append((ModelInstance(inst.instance_id, m.name, c, m.prices), snap))
+        t0 = time.perf_counter()
+        try:
+            choice = route_by_latency(candidates, p, f.predicted, f.ttft_limit_s, f.lam, self.accuracy,
+                                      time.monotonic())
+        except NoCapacity as e:
+            raise _no_capacity(e) from None
+        except (ValueError, TtftEstimateError) as e:  # a bug or an impossible snapshot: say so, do not guess
+            logger.exception("router: latency routing failed")
+            raise ApiError(f"latency routing failed: {e}", status=500, kind="internal_error") from None
+        f.alias_us = (time.perf_counter() - t0) * 1e6
+        f.choice = choice
+        f.model = self.registry.models[choice.model]
+        f.prompt_ids = prompts[choice.model]
+        f.sampling = f.model.sampling(f.req, len(f.prompt_ids))
+
+    async def _route_and_admit(self, f: Flight) -> None:
+        """The model's P/D policy picks the prefill and decode instances; the ledger admits the request."""
+        t_arrival = time.monotonic()
+        m = f.model
+        p = len(f.prompt_ids)
+        max_tokens = f.sampling["max_tokens"]
+        if f.choice is None:
+            f.predicted = max_tokens if f.req.ignore_eos else min(max_tokens, m.predictor.predict(p, f.slo))
+        feats = RequestFeatures(f.rid, p, f.predicted, f.slo)
+        t0 = time.perf_counter()
+        decode_views = self.registry.views(m, m.decode_role)
+        if f.choice is not None and m.start_role is Role.PREFILL:  # the alias chose the prefill engine
+            prefill_views = [v for v in self.registry.views(m, Role.PREFILL) if v.instance_id == f.choice.instance_id]
+        elif f.choice is not None:  # ... or the colocated engine
+            decode_views = [v for v in decode_views if v.instance_id == f.choice.instance_id]
+            prefill_views = []
+        else:
+            prefill_views = self.registry.views(m, Role.PREFILL) if not m.cfg.is_colocated else []
+        policy = m.policy
+        if not m.cfg.is_colocated and f.choice is None and not prefill_views:
+            # no prefill instance is up (all failed, or being replaced): the decode instances prefill
+            # for themselves until one is back, rather than every request getting a 503
+            policy = self._prefill_locally.setdefault(m.name, Colocated(m.cost_model))
+            self.counters.local_prefill_fallbacks += 1
+            f.fallback = "no_prefill_instance"
+        try:
+            decision = policy.choose(feats, prefill_views, decode_views, t_arrival)
+        except NoCapacity as e:
+            raise _no_capacity(e) from None
+        f.decision_us = (time.perf_counter() - t0) * 1e6
+        f.decision, f.t_arrival = decision, t_arrival
+        pw, dw = admission_work(m.cost_model, decision.prefill_id, decision.decode_id, p, f.predicted,
+                                self.ledger.queued(decision.decode_id))
+        self.ledger.admit(f.rid, decision.prefill_id, decision.decode_id, pw, dw, p)
+        f.work_s = (pw, dw)
+        self.flights[f.rid] = f
+        f.admitted = True
+
+    # --- prefill, then the decode's first token ------------------------------------------------
+
+    async def _prefill(self, f: Flight) -> dict | None:
+        """KV location from the chosen prefill replica; other replicas on failure; None = prefill locally."""
+        tried = []
+        m = f.model
+        target = f.decision.prefill_id
+        for attempt in range(self.prefill_retries + 1):
+            inst = self.registry.get(target)
+            if inst is None:
+                break
+            tried.append(target)
+            call = PrefillCall(f"{f.rid}-p{attempt}", f.prompt_ids, f.sampling, self.router_id, f.work_s[0])
+            try:
+                reply: PrefillReply = await self._prefill_call(f, inst, call)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a dead or failing prefill replica: try another, then go local
+                if (refused := _refused(e)) is not None:
+                    raise _bad_request(f, refused) from None
+                logger.warning("router: prefill of %s on %s failed: %s", f.rid, target, _last_line(e))
+                self.counters.prefill_retries += 1
+                others = [i.instance_id for i in self.registry.pool(m, Role.PREFILL) if i.instance_id not in tried]
+                if not others:
+                    break
+                target = min(others, key=self.ledger.backlog_s)
+                continue
+            if reply.replica != inst.replica:
+                self.counters.misrouted += 1
+            f.actual_prefill = f"{m.id_prefix}prefill-{reply.replica}"
+            f.prefill_engine_s = reply.engine_ttft_s
+            return reply.kv_transfer_params
+        self.counters.local_prefill_fallbacks += 1
+        f.fallback = "local_prefill"
+        f.actual_prefill = f.decision.decode_id
+        return None
+
+    async def _open(self, f: Flight, inst: Instance, call: DecodeCall) -> tuple[Any, DecodeChunk]:
+        """Start `call` on `inst`; its response stream and first chunk. An engine's refusal is a 400;
+        any other failure propagates (the stream cancelled)."""
+        stream = f.model.decode_stream.decode.remote(call, replica=inst.replica)
+        try:
+            first: DecodeChunk = await stream.__anext__()
+        except StopAsyncIteration:
+            raise RuntimeError("decode ended without output") from None
+        except BaseException as e:  # cancellation included: the engine aborts the request
+            stream.cancel()
+            if isinstance(e, Exception) and (refused := _refused(e)) is not None:
+                raise _bad_request(f, refused) from None
+            raise
+        if first.replica != inst.replica:
+            self.counters.misrouted += 1
+        return stream, first
+
+    async def _prefill_call(self, f: Flight, inst: Instance, call: PrefillCall) -> PrefillReply:
+        """The prefill call on `inst`, which a cancelled request does not simply drop: the engine
+        may have finished the prefill as the cancellation arrived, and then holds the prompt's KV
+        for a pull that will never come. So the call is shielded; on cancellation the engine is told
+        to abort it, and if the prefill had finished all the same, its KV is released (`_release_kv`)."""
+        pool = f.model.handles[Role.PREFILL]
+
+        async def run() -> PrefillReply:
+            return await pool.prefill.remote(call, replica=inst.replica)
+        task = _detached(run())
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._in_background(self._abandon_prefill(f, inst, call, task))
+            raise
+
+    async def _abandon_prefill(self, f: Flight, inst: Instance, call: PrefillCall, task: asyncio.Task) -> None:
+        await f.model.handles[Role.PREFILL].abort.remote(call.request_id, replica=inst.replica)
+        try:
+            reply = await asyncio.wait_for(task, ABANDONED_PREFILL_WAIT_S)
+        except Exception:  # aborted before its end (nothing is held), or the replica failed
+            return
+        self._release_kv(f, reply.kv_transfer_params)
+
+    async def _first_token(self, f: Flight, kv: dict | None) -> None:
+        m = f.model
+        targets = [f.decision.decode_id] + [i.instance_id for i in self.registry.pool(m, m.decode_role)
+                                            if i.instance_id != f.decision.decode_id]
+        last_error: Exception | None = None
+        for n, target in enumerate(targets[:2]):  # the chosen decode, then one other (local prefill)
+            inst = self.registry.get(target)
+            if inst is None:
+                continue
+            call = DecodeCall(f"{f.rid}-d{n}", f.prompt_ids, f.sampling, kv if n == 0 else None, self.router_id,
+                              f.work_s[1])
+            try:
+                f.stream, f.first_chunk = await self._open(f, inst, call)
+            except (asyncio.CancelledError, ApiError):
+                raise
+            except Exception as e:
+                logger.warning("router: decode of %s on %s failed before its first token: %s", f.rid, target,
+                               _last_line(e))
+                last_error = e
+                self.counters.decode_retries += 1
+                if n == 0 and kv is not None:
+                    f.fallback = "decode_retry_local_prefill"
+                continue
+            f.actual_decode = target
+            if n > 0 or f.actual_prefill is None:  # prefilled locally on this decode instance
+                f.actual_prefill = target
+            f.t_first = time.monotonic()
+            f.decode_engine_first_s = f.first_chunk.engine_first_token_s
+            self.ledger.prefill_done(f.rid)
+            return
+        raise ApiError(f"no decode instance could serve the request: {_last_line(last_error)}", status=503,
+                       kind="service_unavailable")
+
+    async def _migrate(self, f: Flight, error: Exception) -> DecodeChunk | None:
+        """Continue `f` after its decode instance failed mid-stream with `error`: another decode
+        instance prefills the prompt plus the tokens so far and streams the rest. Returns the new
+        stream's first chunk (None: nothing was left to generate); ApiError (502) when the request
+        may not migrate (`migration_limit` reached, structured output) or no instance could take it."""
+        m = f.model
+        reason = _last_line(error)
+        logger.warning("router: decode of %s on %s failed after %d tokens: %s", f.rid, f.actual_decode,
+                       f.generated, reason)
+        left = f.sampling["max_tokens"] - f.generated
+        if left <= 0:  # the engine failed after the last token, before saying so
+            f.finish_reason = "length"
+            return None
+        if f.sampling.get("structured_outputs") is not None:
+            reason += " (a structured-output request is not migrated)"
+        while len(f.migrated_from) < self.migration_limit and f.sampling.get("structured_outputs") is None:
+            f.migrated_from.append(f.actual_decode)
+            others = [i for i in self.registry.pool(m, m.decode_role) if i.instance_id not in f.migrated_from]
+            if not others:
+                reason += " (no other decode instance)"
+                break
+            inst = min(others, key=lambda i: self.ledger.backlog_s(i.instance_id))
+            self.counters.migrations += 1
+            prompt = f.prompt_ids + f.output_ids
+            predicted = max(1, min(left, (f.predicted or left) - f.generated))
+            pw, dw = admission_work(m.cost_model, inst.instance_id, inst.instance_id, len(prompt), predicted,
+                                    self.ledger.queued(inst.instance_id))
+            self.ledger.finish(f.rid)  # its work moves to the new instance
+            self.ledger.admit(f.rid, inst.instance_id, inst.instance_id, pw, dw, len(prompt))
+            f.work_s = (pw, dw)
+            call = DecodeCall(f"{f.rid}-m{len(f.migrated_from)}", prompt, continuation_sampling(f.sampling, f.generated),
+                              None, self.router_id, dw)
+            try:
+                f.stream, first = await self._open(f, inst, call)
+            except (asyncio.CancelledError, ApiError):
+                raise
+            except Exception as e:
+                logger.warning("router: migration of %s to %s failed: %s", f.rid, inst.instance_id, _last_line(e))
+                f.actual_decode, reason = inst.instance_id, _last_line(e)
+                continue
+            logger.info("router: %s migrated from %s to %s after %d tokens", f.rid, f.migrated_from[-1],
+                        inst.instance_id, f.generated)
+            f.actual_decode = inst.instance_id
+            self.ledger.prefill_done(f.rid)
+            return first
+        raise ApiError(f"decode failed after {f.generated} tokens: {reason}", status=502, kind="upstream_error")
+
+    # --- relaying the tokens, and the end ------------------------------------------------------
+
+    async def chunks(self, f: Flight) -> AsyncIterator[DecodeChunk]:
+        """The decode's chunks, the first one included; finishes the request when they end.
+        A decode that fails mid-stream is migrated (`_migrate`); if it cannot be, ApiError (502)."""
+        error = None
+        try:
+            chunk = f.first_chunk
+            while chunk is not None:
+                f.generated += len(chunk.token_ids)
+                f.output_ids.extend(chunk.token_ids)
+                if chunk.finish_reason:
+                    f.finish_reason = chunk.finish_reason
+                yield chunk
+                try:
+                    chunk = await f.stream.__anext__()
+                except StopAsyncIteration:
+                    chunk = None
+                except Exception as e:
+                    f.stream.cancel()
+                    # failed after its last token (the end was sent): nothing is missing
+                    chunk = None if f.finish_reason else await self._migrate(f, e)
+        except (asyncio.CancelledError, GeneratorExit):
+            error = "cancelled by client"
+            self.counters.cancelled += 1
+            f.stream.cancel()
+            raise
+        except ApiError as e:
+            error = e.message
+            self.counters.failed += 1
+            raise
+        except Exception as e:
+            error = f"decode failed after {f.generated} tokens: {_last_line(e)}"
+            self.counters.failed += 1
+            raise ApiError(error, status=502, kind="upstream_error") from None
+        finally:
+            if error is None:
+                self.counters.served += 1
+                if f.finish_reason == "stop":  # a natural length: what the predictors learn from
+                    f.model.predictor.observe(len(f.prompt_ids), f.slo, f.generated)
+                    if f.choice is not None:
+                        self.alias_predictor.observe(len(f.prompt_ids), f.slo, f.generated)
+            self.finish(f, error=error)
+
+    async def collect(self, f: Flight) -> str:
+        """The whole completion's text (its finish reason is then `f.finish_reason`)."""
+        text, _ = await self.collect_with_logprobs(f)
+        return text
+
+    async def collect_with_logprobs(self, f: Flight) -> tuple[str, list | None]:
+        """The whole completion's text and its per-token logprobs (None when not asked for)."""
+        chunks = [c async for c in self.chunks(f)]
+        asked = f.sampling.get("logprobs") is not None
+        logprobs = [lp for c in chunks for lp in c.logprobs or ()] if asked else None
+        return "".join(c.text for c in chunks), logprobs
+
+    def finish(self, f: Flight, error: str | None) -> None:
+        """Release the request from the ledger and log it (idempotent); `error` None when served."""
+        if f.finished:
+            return
+        f.finished = True
+        if f.admitted:
+            self.ledger.finish(f.rid)
+        self.flights.pop(f.rid, None)
+        record = request_record(f, error, time.monotonic(), self.multi_model, self.router_id)
+        self.log.write(record)
+        if self.metrics is not None and f.model is not None:
+            target = f.model.cost_model.target(f.slo)
+            self.metrics.request_finished(record, f.model.name, target.ttft_s, target.tpot_s)

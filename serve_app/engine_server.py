@@ -1,0 +1,314 @@
+"""The engine deployment: one Serve replica = one in-process vLLM engine (`VllmEngine`).
+
+Called by the router deployment through the pool's handle with `replica=<this replica's id>`
+(see `pinned_router`):
+- `prefill(call)`: run the prompt, keep its KV for a remote decode; returns where the KV is;
+- `decode(call)`: a stream of token chunks; pulls the KV over NIXL when `kv_transfer_params` is
+  given, prefills locally when it is None (colocated, or the fallback after a failed prefill);
+- `state()`: load signals, polled by the router every `poll_interval_s`;
+- `abort(request_id)`, `release_kv(request_id, kv_transfer_params)` (free a prefill's KV that will
+  never be pulled), `reset_prefix_cache()`: control plane.
+Every reply names the replica that produced it, so the router can verify the pinning.
+
+Each replica claims a NIXL side-channel port at start from the range the config owns
+(`serve_app.ports`; replicas come and go with autoscaling, so ports cannot be assigned one by
+one in the config file).
+
+Ready means proven: before `__init__` returns (and Serve routes to the replica), the engine has
+started within `engine.start_timeout_s` and completed one request through its real path within
+`engine.warmup_timeout_s` (`warm_up`). A platform fault — a kernel the CPU cannot run, a side
+channel that never listens, a transfer that fails — then shows at start-up with its cause in the
+replica's log, and Serve starts another replica, instead of failing a user's first request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from disagg.core.ledger import AdmittedWork
+from disagg.core.types import Role
+from serve_app.config import AppConfig
+from serve_app.engine import EngineSpec, RequestAborted, VllmEngine
+from serve_app.messages import (
+    DecodeCall, DecodeChunk, EngineStateReport, InvalidRequest, PrefillCall, PrefillReply,
+)
+from serve_app.ports import claim_port
+
+logger = logging.getLogger("ray.serve")
+
+
+def resolve_model(source: str) -> str:
+    """'tiny:tiny' / 'tiny:small' → the offline tiny model's folder (built once); else as given."""
+    if source.startswith("tiny:"):
+        from serve_app.tiny_model import build_tiny_model
+
+        return str(build_tiny_model(size=source.split(":", 1)[1]))
+    return source
+
+
+def engine_spec(cfg: AppConfig, role: Role, side_channel_host: str, port: int) -> EngineSpec:
+    e = cfg.engine
+    return EngineSpec(
+        model=resolve_model(cfg.model.source),
+        role=role,
+        kv_buffer_device=e.device,
+        side_channel_port=port,
+        side_channel_host=side_channel_host,
+        max_model_len=cfg.model.max_model_len,
+        max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens,
+        kv_cache_memory_bytes=e.kv_cache_memory_bytes,
+        gpu_memory_utilization=e.gpu_memory_utilization,
+        block_size=e.block_size,
+        enforce_eager=e.enforce_eager,
+        seed=e.seed,
+        engine_kwargs=e.engine_kwargs,
+    )
+
+
+def _with_cause(e: Exception) -> RuntimeError:
+    """vLLM wraps the real error (EngineGenerateError from ...); name it, since Ray drops the chain."""
+    logger.exception("engine call failed")
+    cause = e.__cause__ or e.__context__
+    return RuntimeError(f"{type(e).__name__}: {e}" + (f" (cause: {type(cause).__name__}: {cause})" if cause else ""))
+
+
+def _joined_logprobs(chunks: list) -> tuple | None:
+    """The coalesced chunks' per-token logprobs in order; None (no cost) when none were asked for."""
+    if chunks[0].logprobs is None:
+        return None
+    return tuple(lp for c in chunks for lp in c.logprobs or ())
+
+
+async def _bounded(step: Awaitable, timeout_s: float, what: str) -> Any:
+    try:
+        return await asyncio.wait_for(step, timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s") from None
+    except Exception as e:
+        logger.error("replica start-up failed in %s: %s: %s", what, type(e).__name__, e)
+        raise RuntimeError(f"{what} failed: {type(e).__name__}: {e}") from e
+
+
+WARMUP_TEXT = "Warm-up: the router proves every engine's path before users reach it."
+WARMUP_SAMPLING = {"temperature": 0.0, "max_tokens": 2, "ignore_eos": True}
+
+
+async def warm_up(engine: VllmEngine, role: Role, prefill_pool: DeploymentHandle | None, tag: str) -> None:
+    """One request through the engine's real path; raises (naming what failed) if it does not work.
+
+    - prefill engine: a prefill that publishes its KV for a remote decode;
+    - decode engine: a prefill on a running prefill replica, a NIXL pull of its KV and two decode
+      steps here: the path on which a missing CPU permission (AMX) or a dead side channel shows;
+    - colocated engine: a local prefill and two decode steps.
+    A vLLM engine cannot pull from itself, so the pull needs a prefill replica; it waits for one.
+    """
+    prompt = list(engine.tokenizer.encode(WARMUP_TEXT))
+    if role is Role.PREFILL:
+        await engine.prefill(f"warmup-{tag}", prompt, WARMUP_SAMPLING)
+        return
+    kv = None
+    if role is Role.DECODE:
+        if prefill_pool is None:
+            raise ValueError("a decode engine's warm-up needs its model's prefill pool")
+        kv = await prefill_remote(prefill_pool, f"warmup-{tag}", prompt, WARMUP_SAMPLING)
+        received_before = (await engine.state()).kv_received_tokens
+    tokens, finish = [], None
+    async for chunk in engine.decode(f"warmup-{tag}", prompt, WARMUP_SAMPLING, kv):
+        tokens.extend(chunk.token_ids)
+        finish = chunk.finish_reason or finish
+    if len(tokens) != WARMUP_SAMPLING["max_tokens"] or finish != "length":
+        raise RuntimeError(f"warm-up decode gave {len(tokens)} tokens (finish reason {finish!r}), expected "
+                           f"{WARMUP_SAMPLING['max_tokens']}" + (" after a KV pull" if kv else ""))
+    if kv is not None:
+        # the per-token proof that the KV arrived over NIXL rather than being recomputed
+        for _ in range(50):  # stats land with the engine's next step record: bounded wait
+            if (await engine.state()).kv_received_tokens > received_before:
+                return
+            await asyncio.sleep(0.02)
+        raise RuntimeError("warm-up decode recomputed the prompt instead of pulling its KV over NIXL")
+
+
+async def prefill_remote(pool: DeploymentHandle, request_id: str, prompt: list[int], sampling: dict) -> dict:
+    """Prefill on any running replica of `pool`; the KV transfer params a decode engine pulls with."""
+    reply: PrefillReply = await pool.prefill.remote(PrefillCall(request_id, prompt, sampling))
+    return reply.kv_transfer_params
+
+
+def kill_engine_children() -> None:
+    """SIGKILL this process's vLLM engine processes (an engine that never finished starting)."""
+    import psutil
+
+    from serve_app.launch import ENGINE_PROCESS_MARKERS
+
+    for child in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if any(m in " ".join(child.cmdline()) or m in child.name() for m in ENGINE_PROCESS_MARKERS):
+                child.kill()
+        except psutil.Error:
+            pass
+
+
+_END = object()
+STREAMS_PER_INTERVAL = 4  # streams an engine batches at the base interval before the interval grows
+
+
+async def coalesce(stream: AsyncIterator, interval_s: float | Callable[[], float]) -> AsyncIterator[list]:
+    """The first item at once (time to first token is sacred), then everything that arrived,
+    at most once per `interval_s` (a number, or a function read before every batch).
+
+    Every message on the token path crosses two Serve hops (engine → router → proxy), and on a
+    small machine each costs more than a decode step: batching tokens per interval, as Ray
+    Serve LLM does, keeps the hops off the critical path. Closing the returned iterator closes
+    `stream` (which aborts the request in vLLM).
+    """
+    if not callable(interval_s) and interval_s <= 0:
+        async for item in stream:
+            yield [item]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    first_done = False
+
+    async def pump() -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait(item)
+        except Exception as e:  # handed to the consumer, raised there
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(_END)
+
+    task = asyncio.get_running_loop().create_task(pump())
+    try:
+        item = await queue.get()  # the first token: no waiting
+        while item is not _END:
+            if isinstance(item, Exception):
+                raise item
+            batch, pending = [item], None
+            if not first_done:
+                first_done = True
+            else:
+                # let the rest of this interval's tokens arrive
+                await asyncio.sleep(interval_s() if callable(interval_s) else interval_s)
+                while pending is None and not queue.empty():
+                    nxt = queue.get_nowait()
+                    if nxt is _END or isinstance(nxt, Exception):
+                        pending = nxt  # the end (or the error) comes after this batch
+                    else:
+                        batch.append(nxt)
+            yield batch
+            item = pending if pending is not None else await queue.get()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+class EngineServer:
+    async def __init__(self, config: dict, role: str, prefill_pool: DeploymentHandle | None = None) -> None:
+        """Start the engine, then prove its real path (`warm_up`) before Serve calls it ready.
+
+        `prefill_pool`: a decode engine's model's prefill pool, which the warm-up pulls KV from.
+        Any failure or timeout raises with its cause, so Serve replaces the replica.
+        """
+        cfg = AppConfig.model_validate(config)
+        self.role = Role(role)
+        self.stream_interval_base_s = cfg.engine.stream_interval_s
+        self.stream_interval_max_s = max(cfg.engine.stream_interval_s, cfg.engine.stream_interval_max_s)
+        self.streams = 0  # decode streams open on this replica
+        host = cfg.engine.side_channel_host
+        if host == "auto":
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.admitted = AdmittedWork()  # what each router has sent here and not seen end: routers read it
+        self.port = claim_port(host, cfg.engine.side_channel_ports)
+        self.engine = VllmEngine(engine_spec(cfg, self.role, host, self.port.port))
+        try:
+            await _bounded(self.engine.start(), cfg.engine.start_timeout_s, "engine start")
+            await _bounded(warm_up(self.engine, self.role, prefill_pool, self.replica_id),
+                           cfg.engine.warmup_timeout_s, "warm-up handoff")
+        except BaseException:
+            await self.engine.shutdown()
+            kill_engine_children()  # an engine stuck in start-up never reaches the handover
+            self.port.release()
+            raise
+
+    async def prefill(self, call: PrefillCall, replica: str | None = None) -> PrefillReply:
+        self.admitted.add(call.router, call.work_s)
+        try:
+            r = await self.engine.prefill(call.request_id, call.prompt_token_ids, call.sampling)
+        except (InvalidRequest, RequestAborted):
+            raise  # the request's fault, or its router's wish: not this engine's failure (nothing logged)
+        except Exception as e:
+            raise _with_cause(e) from e
+        finally:
+            self.admitted.remove(call.router, call.work_s)
+        return PrefillReply(kv_transfer_params=r.kv_transfer_params, first_token_id=r.first_token_id,
+                            engine_ttft_s=r.engine_ttft_s, replica=self.replica_id)
+
+    async def decode(self, call: DecodeCall, replica: str | None = None) -> AsyncIterator[DecodeChunk]:
+        first = True
+        t0 = time.perf_counter()
+        stream = self.engine.decode(call.request_id, call.prompt_token_ids, call.sampling, call.kv_transfer_params)
+        self.admitted.add(call.router, call.work_s)
+        self.streams += 1
+        try:
+            async for chunks in coalesce(stream, self._stream_interval_s):
+                yield DecodeChunk(
+                    token_ids=tuple(t for c in chunks for t in c.token_ids),
+                    text="".join(c.text for c in chunks),
+                    finish_reason=chunks[-1].finish_reason,
+                    # the first chunk names who served it, and the engine-side time to the first token
+                    replica=self.replica_id if first else None,
+                    engine_first_token_s=time.perf_counter() - t0 if first else None,
+                    logprobs=_joined_logprobs(chunks),
+                )
+                first = False
+        except InvalidRequest:
+            raise  # the request's fault, not this engine's: it crosses Ray as itself (the router's 400)
+        except Exception as e:
+            raise _with_cause(e) from e
+        finally:
+            self.streams -= 1
+            self.admitted.remove(call.router, call.work_s)
+
+    def _stream_interval_s(self) -> float:
+        """The batching interval of this engine's streams: `stream_interval_s` up to
+        STREAMS_PER_INTERVAL streams, then growing with their number (up to `stream_interval_max_s`),
+        so the messages the engine sends per second stay flat as load grows instead of the hops'
+        cost growing with it."""
+        grown = self.stream_interval_base_s * self.streams / STREAMS_PER_INTERVAL
+        return min(self.stream_interval_max_s, max(self.stream_interval_base_s, grown))
+
+    async def abort(self, request_id: str, replica: str | None = None) -> None:
+        await self.engine.abort(request_id)
+
+    async def release_kv(self, request_id: str, kv_transfer_params: dict, replica: str | None = None) -> None:
+        await self.engine.release_kv(request_id, kv_transfer_params)
+
+    async def state(self) -> EngineStateReport:
+        s = await self.engine.state()
+        return EngineStateReport(
+            replica=self.replica_id, role=self.role, running=s.running, waiting=s.waiting,
+            kv_used_tokens=s.kv_used_tokens, kv_capacity_tokens=s.kv_capacity_tokens,
+            prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
+            kv_transfers_ok=s.kv_transfers_ok, kv_transfers_failed=s.kv_transfers_failed,
+            kv_received_tokens=s.kv_received_tokens, admitted=self.admitted.totals(), pid=os.getpid())
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine.reset_prefix_cache()
+
+    async def check_health(self) -> None:
+        await asyncio.wait_for(self.engine.state(), timeout=5.0)
+
+    async def __del__(self) -> None:
+        await self.engine.shutdown()
+        self.port.release()

@@ -1,0 +1,351 @@
+"""Start a local Ray cluster on loopback, deploy a Serve config, wait until it serves; stop it all.
+
+`make run` calls `python -m serve_app.launch --config deployments/local.yaml`; the test
+session uses `LocalStack` the same way. Shutdown order matters (measured): `serve shutdown` first,
+then wait until no vLLM engine process is left (an orphaned EngineCore keeps its NIXL ports and
+~2.5 GB, and the next deployment hangs), then `ray stop`.
+
+The cluster is started with the settings a single machine needs: loopback only, auth off, usage
+stats off, and worker niceness 0 — Ray's default nice 15 starves the engines against anything
+else running on a small machine — and with Serve's fast token path (`FAST_PATH_ENV`: HAProxy
+ingress, gRPC between replicas), which the environment may turn off (`RAY_SERVE_ENABLE_HA_PROXY=0`).
+
+Teardown only touches what this stack started: Ray is started with a `DISAGG_STACK_ID` in its
+environment, which every Ray worker and every engine they spawn inherits (and keeps when orphaned),
+so the engines left after `serve shutdown` are told apart from another run's on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import yaml
+
+from serve_app.config import ConfigError, load_serve_config
+
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_worker_niceness": "0",
+}
+ENGINE_PROCESS_MARKERS = ("EngineCore", "VLLM::EngineCore", "VLLM::Worker")
+STACK_ID_VAR = "DISAGG_STACK_ID"
+
+
+def _bin(name: str) -> str:
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else (shutil.which(name) or name)
+
+
+# Serve's fast token path, unless the environment says otherwise: HAProxy on the HTTP port hands
+# connections straight to the router replicas (no Python proxy hop per token chunk), handle calls
+# go over gRPC, and user code runs on the replica's main loop. Measured on the CPU profile
+# (benchmarks/serving_throughput.py): router hop overhead at 16 streams 158 → 66 ms p50.
+FAST_PATH_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+}
+
+
+def _env() -> dict[str, str]:
+    return {"DISAGG_RUN_DIR": os.getcwd(), **FAST_PATH_ENV, **os.environ, **RAY_ENV}
+
+
+def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _stack_id_of(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:  # gone, or not ours to read
+        return None
+    prefix = f"{STACK_ID_VAR}=".encode()
+    return next((e[len(prefix):].decode() for e in env if e.startswith(prefix)), None)
+
+
+def engine_processes(stack_id: str | None = None) -> list[int]:
+    """vLLM engine processes on this machine; with `stack_id`, only those that stack started."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    pids = []
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if any(m in args for m in ENGINE_PROCESS_MARKERS):
+            if stack_id is None or _stack_id_of(int(pid)) == stack_id:
+                pids.append(int(pid))
+    return pids
+
+
+def stack_engines_left() -> list[int]:
+    """Engines started by some LocalStack (they carry a stack id): leftovers that hold ports and memory."""
+    return [p for p in engine_processes() if _stack_id_of(p) is not None]
+
+
+RAY_ADDRESS = "127.0.0.1:6379"
+METRICS_PORT = 8079  # Ray's Prometheus endpoint on this node: Serve's, the engines' and the router's series
+_SERVE_SHUTDOWN = f"import ray; from ray import serve; ray.init(address={RAY_ADDRESS!r}); serve.shutdown()"
+
+
+def gcs_listening() -> bool:
+    """Something accepts connections at the cluster address (cheap: no Ray client started)."""
+    host, port = RAY_ADDRESS.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=2.0).close()
+    except OSError:
+        return False
+    return True
+
+
+def ray_running() -> bool:
+    if not gcs_listening():  # no cluster (`ray status` would retry for a minute before saying so)
+        return False
+    try:
+        return subprocess.run([_bin("ray"), "status", "--address", RAY_ADDRESS], env=_env(),
+                              capture_output=True, timeout=60).returncode == 0
+    except subprocess.TimeoutExpired:  # a cluster too busy to answer is still a cluster
+        return True
+
+
+def _running_stack_id() -> str | None:
+    """The stack id the running Ray cluster was started with (None: started by hand)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if "raylet" in args.split(" ")[0]:
+            return _stack_id_of(int(pid))
+    return None
+
+
+class LocalStack:
+    """One Ray head on 127.0.0.1 and one deployed Serve config; a context manager."""
+
+    def __init__(self, config: str | Path, *, num_cpus: int | None = None, ready_timeout_s: float = 900.0,
+                 reuse_ray: bool = False, log=print) -> None:
+        self.config = Path(config)
+        self.num_cpus = num_cpus or os.cpu_count() or 2
+        self.ready_timeout_s = ready_timeout_s
+        self.log = log
+        self.apps = load_serve_config(self.config)  # fail before starting anything
+        doc = yaml.safe_load(self.config.read_text())
+        http = doc.get("http_options") or {}
+        self.base_url = f"http://127.0.0.1:{http.get('port', 8000)}"
+        self.started_ray = False
+        self.deployed = False
+        self.reuse_ray = reuse_ray
+        self.stack_id = uuid.uuid4().hex  # replaced by the running cluster's when reusing one
+
+    def __enter__(self) -> "LocalStack":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._prepare_models()
+        if ray_running():
+            if not self.reuse_ray:
+                raise RuntimeError(f"a Ray cluster is already running at {RAY_ADDRESS}; stop it (ray stop) "
+                                   "or reuse it explicitly")
+            self.stack_id = _running_stack_id()
+        else:
+            left = stack_engines_left()
+            if left:
+                raise RuntimeError(f"vLLM engine processes of an earlier stack are still alive (pids {left}); "
+                                   "they hold NIXL ports and memory: stop them first")
+            self.log("starting Ray on 127.0.0.1 ...")
+            subprocess.run([_bin("ray"), "start", "--head", f"--num-cpus={self.num_cpus}",
+                            "--node-ip-address=127.0.0.1", "--include-dashboard=true",
+                            "--dashboard-host=127.0.0.1", "--disable-usage-stats",
+                            f"--metrics-export-port={METRICS_PORT}"],
+                           env={**_env(), STACK_ID_VAR: self.stack_id}, check=True, capture_output=True,
+                           timeout=180)
+            self.started_ray = True
+        self.log(f"deploying {self.config} ...")
+        # `serve run` talks to the cluster (GCS), not to the dashboard's REST API
+        self.deployed = True  # from here on, teardown owns the app and its engines
+        self._serve_run(self.config)
+        self.wait_ready()
+
+    def _prepare_models(self, apps=None) -> None:
+        """Build the offline tiny models once here, rather than in every engine replica at once."""
+        from serve_app.engine_server import resolve_model
+
+        for _, cfg in apps or self.apps:  # one entry per model, also of a multi-model app
+            if cfg.model.source.startswith("tiny:"):
+                resolve_model(cfg.model.source)
+
+    @contextlib.contextmanager
+    def extra_app(self, config: str | Path, name: str, route_prefix: str, ready_timeout_s: float = 600.0):
+        """Serve the first application of another config file next to this stack's, on the same
+        cluster and proxy, as application `name` at `route_prefix`; yields its base URL. On exit the
+        stack's own config is deployed alone again (Serve removes the extra application; the stack's
+        applications, unchanged, keep their replicas) and this waits until the extra engines are gone.
+        """
+        if not self.deployed:
+            raise RuntimeError("the stack is not deployed")
+        config = Path(config)
+        self._prepare_models(load_serve_config(config))  # fail before touching the cluster
+        extra = dict(yaml.safe_load(config.read_text())["applications"][0], name=name, route_prefix=route_prefix)
+        doc = yaml.safe_load(self.config.read_text())
+        if any(a.get("name") == name or a.get("route_prefix") == route_prefix for a in doc["applications"]):
+            raise ValueError(f"application name {name!r} or route prefix {route_prefix!r} is already in {self.config}")
+        doc["applications"].append(extra)
+        engines_before = len(engine_processes(self.stack_id)) if self.stack_id else 0
+        with tempfile.TemporaryDirectory() as tmp:
+            both = Path(tmp) / "with-extra.yaml"
+            both.write_text(yaml.safe_dump(doc, sort_keys=False))
+            self.log(f"deploying {config} as {name!r} at {route_prefix} next to {self.config} ...")
+            try:
+                self._serve_run(both)
+                url = f"{self.base_url}{route_prefix.rstrip('/')}"
+                self._wait_healthy(url, ready_timeout_s)
+                yield url
+            finally:
+                self.log(f"removing {name!r} ...")
+                self._serve_run(self.config)
+                deadline = time.monotonic() + 120.0
+                while (self.stack_id and len(engine_processes(self.stack_id)) > engines_before
+                       and time.monotonic() < deadline):
+                    time.sleep(1.0)
+
+    def _serve_run(self, config: Path) -> None:
+        subprocess.run([_bin("serve"), "run", "--non-blocking", "--address", RAY_ADDRESS, str(config)],
+                       env=_env(), check=True, capture_output=True, timeout=300)
+
+    def wait_ready(self) -> None:
+        self._wait_healthy(self.base_url, self.ready_timeout_s)
+
+    def _wait_healthy(self, base_url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                status, body = _get(f"{base_url}/health")
+                if status == 200:
+                    self.log(f"ready: {body.decode()}")
+                    return
+                last = body.decode()[:200]
+            except (OSError, urllib.error.URLError) as e:
+                last = str(e)
+            time.sleep(2.0)
+        raise TimeoutError(f"the app at {base_url} was not healthy within {timeout_s:.0f} s "
+                           f"(last answer: {last})")
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Tear everything down; a second Ctrl-C during teardown is ignored, or engines would leak."""
+        if threading.current_thread() is not threading.main_thread():
+            return self._stop(timeout_s)
+        saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._stop(timeout_s)
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+
+    def _stop(self, timeout_s: float) -> None:
+        """Within `timeout_s`: serve shutdown, the engines' own exit, then SIGTERM and SIGKILL for
+        the ones left (orphans would hold NIXL ports and memory), then `ray stop`. Each step gets a
+        share of the budget, so a cluster that vanished or hangs cannot hold the stop up."""
+        if not self.deployed:  # nothing of ours runs: never touch another cluster's apps
+            return
+        self.deployed = False
+        deadline = time.monotonic() + timeout_s
+        left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
+        if ray_running():
+            try:
+                subprocess.run([sys.executable, "-c", _SERVE_SHUTDOWN], env=_env(), capture_output=True,
+                               timeout=left() * 0.5)
+            except subprocess.TimeoutExpired:
+                self.log("serve shutdown timed out; stopping engines and Ray anyway")
+        else:
+            self.log("Ray is gone; stopping the engines it left")
+        if self.stack_id is None:  # a cluster started by hand: its engines are not ours to kill
+            return
+        graceful = deadline - 0.4 * timeout_s  # leave time for SIGTERM, SIGKILL and ray stop
+        while engine_processes(self.stack_id) and time.monotonic() < graceful:
+            time.sleep(0.5)
+        for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+            pids = engine_processes(self.stack_id)
+            if not pids:
+                break
+            self.log(f"{len(pids)} engine processes still alive: {sig.name}")
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            until = time.monotonic() + wait_s
+            while engine_processes(self.stack_id) and time.monotonic() < until:
+                time.sleep(0.2)
+        if self.started_ray:
+            try:
+                subprocess.run([_bin("ray"), "stop", "--force"], env=_env(), capture_output=True, timeout=left())
+            except subprocess.TimeoutExpired:
+                self.log("ray stop timed out")
+            self.started_ray = False
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="serve a config on a local Ray cluster until Ctrl-C")
+    ap.add_argument("--config", default="deployments/local.yaml")
+    args = ap.parse_args(argv)
+    try:
+        stack = LocalStack(args.config, reuse_ray=True)
+    except ConfigError as e:
+        print(f"disagg: error: {e}", file=sys.stderr)
+        return 2
+    # SIGTERM (a supervisor, `kill`) stops everything exactly like Ctrl-C does
+    signal.signal(signal.SIGTERM, _interrupt)
+    with stack:
+        url = stack.base_url
+        args = yaml.safe_load(stack.config.read_text())["applications"][0].get("args") or {}
+        # a multi-model app: show the alias, which lets the router choose the model
+        model = (args.get("router") or {}).get("alias", "auto") if "models" in args else stack.apps[0][1].model.served_name
+        print(f"""
+Serving on {url} (Ray dashboard: http://127.0.0.1:8265; Prometheus metrics: http://127.0.0.1:{METRICS_PORT}/metrics). Try:
+
+  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})}' -i
+
+Ctrl-C stops everything this command started.""", flush=True)
+        try:
+            while gcs_listening():  # Ray stopped underneath (`ray stop`): clean up what it left, and exit
+                time.sleep(5.0)
+            print("\nRay has stopped; cleaning up ...", flush=True)
+        except KeyboardInterrupt:
+            print("\nstopping ...", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""One served model as the router holds it: its engine pools, tokenizer, P/D policy, cost model and
+output-length predictor.
+
+With several models (a `MultiModelConfig`) each model keeps its own of all of these, and a request
+naming a model is routed within that model's pools only; its instance ids are prefixed with
+`<served name>:`. The P/D policy and the cost model can be swapped at run time (`/admin/*`).
+
+Before tokenizing, `too_long` refuses a prompt that cannot fit from its size alone: one token never
+covers more characters than the longest entry of the vocabulary (`max_token_chars`: byte-level BPE
+spells a token with one character per byte, and a token's text never has more characters than its
+bytes), so a prompt of more than `max_model_len × max_token_chars × PROMPT_CHARS_MARGIN` characters
+has more than `max_model_len` tokens. The margin covers normalizers that merge characters before
+tokenizing (NFC composing a letter and its accent). The bound only refuses what cannot fit; prompts
+under it are tokenized and measured exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from disagg.core.cost_model import CostModel
+from disagg.core.policies import Policy, build_policy
+from disagg.core.predictor import BucketMeanPredictor
+from disagg.core.types import Role
+from disagg.core.utility import ModelPrices
+from serve_app.config import AppConfig, load_cost_model
+from serve_app.engine_server import resolve_model
+from serve_app.openai_api import ApiError
+
+PROMPT_CHARS_MARGIN = 2  # see the module docstring: characters a normalizer may merge away
+
+
+@dataclass(slots=True)
+class ServedModel:
+    """One served model: its pools, tokenizer, P/D policy, cost model and predictor."""
+
+    name: str
+    cfg: AppConfig
+    handles: dict[Role, DeploymentHandle]
+    tokenizer: Any
+    cost_model: CostModel
+    policy: Policy
+    policy_params: dict
+    predictor: BucketMeanPredictor
+    id_prefix: str  # instance ids: <prefix><role>-<replica>
+    prices: ModelPrices | None = None
+    decode_stream: Any = None  # the decoding pool's handle in streaming mode
+    max_token_chars: int = 0  # the longest vocabulary entry, in characters (0: unknown, no pre-check)
+
+    def __post_init__(self) -> None:
+        self.decode_stream = self.handles[self.decode_role].options(stream=True)
+        if not self.max_token_chars:
+            self.max_token_chars = max_token_chars(self.tokenizer)
+
+    @classmethod
+    def build(cls, name: str, cfg: AppConfig, handles: dict[str, DeploymentHandle], prices: ModelPrices | None,
+              prefixed: bool, replica_index: int = 0) -> "ServedModel":
+        """From the model's config and its pools' handles ({role value: handle}); loads the tokenizer.
+        `prefixed`: the app serves several models, so instance ids name the model; `replica_index`:
+        this router replica's rank (its policy's tie-break seed is derived from it)."""
+        cm = load_cost_model(cfg.router.cost_model)
+        return cls(name=name, cfg=cfg, handles={Role(r): h for r, h in handles.items()},
+                   tokenizer=_tokenizer(cfg.model.source), cost_model=cm,
+                   policy=build_policy(cfg.router.policy, cm, cfg.router.policy_params).for_replica(replica_index),
+                   policy_params=dict(cfg.router.policy_params), predictor=BucketMeanPredictor(),
+                   id_prefix=f"{name}:" if prefixed else "", prices=prices)
+
+
+    @property
+    def decode_role(self) -> Role:
+        """The role of the engines that decode (and first-token) this model's requests."""
+        return Role.BOTH if self.cfg.is_colocated else Role.DECODE
+
+    @property
+    def start_role(self) -> Role:
+        """The role of the engines a request of this model starts on (the alias route's candidates)."""
+        return Role.BOTH if self.cfg.is_colocated else Role.PREFILL
+
+    def sampling(self, req, prompt_tokens: int) -> dict:
+        """The request's sampling settings for this model; `max_tokens` defaults to the room left in the
+        context window. 400 naming `max_tokens` when the prompt and `max_tokens` do not fit."""
+        limit = self.cfg.model.max_model_len
+        room = limit - prompt_tokens
+        if req.max_tokens is not None and req.max_tokens > room:
+            raise ApiError(f"max_tokens {req.max_tokens} + {prompt_tokens} prompt tokens exceed the context "
+                           f"window of {limit}", param="max_tokens")
+        if req.min_tokens > (req.max_tokens or room):
+            raise ApiError(f"min_tokens {req.min_tokens} exceeds the {room} tokens left in the context window",
+                           param="min_tokens")
+        vocab = len(self.tokenizer)
+        for field, ids in (("logit_bias", [int(k) for k in req.logit_bias or ()]),
+                           ("stop_token_ids", req.stop_token_ids or ())):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ApiError(f"{field}: token id {bad} is outside the vocabulary (size {vocab})", param=field)
+        return req.sampling(default_max_tokens=room)
+
+    def too_long(self, req) -> ApiError | None:
+        """A 400 for a prompt that cannot fit from its size alone (see the module docstring), else None.
+        Cheap: no tokenizing, so an oversize prompt is refused in microseconds."""
+        limit = self.cfg.model.max_model_len
+        param = "messages" if hasattr(req, "messages") else "prompt"
+        if isinstance(getattr(req, "prompt", None), list):
+            if len(req.prompt) >= limit:
+                return ApiError(f"the prompt has {len(req.prompt)} tokens; the context window is {limit}", param=param)
+            return None
+        bound = limit * self.max_token_chars * PROMPT_CHARS_MARGIN
+        if self.max_token_chars and req.prompt_chars > bound:
+            return ApiError(f"the prompt has {req.prompt_chars} characters: more than the context window of {limit} "
+                            f"tokens can hold (at most {self.max_token_chars} characters per token)", param=param)
+        return None
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters any one token spells (its vocabulary entry; special tokens included)."""
+    entries = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max((len(e) for e in entries if isinstance(e, str)), default=0)
+
+
+def _tokenizer(source: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(source))

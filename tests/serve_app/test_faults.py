@@ -1,0 +1,287 @@
+"""Faults injected into the real stack: engines killed by pid, clients that leave early.
+
+Each test provokes its fault on the session's stack (tests/conftest.py), checks what the user
+sees and what the engines report, and, where it killed an engine, waits until Serve has replaced
+the replica (the warm-up proves the new one's handoff before it is routed to) so the tests after
+it find the stack whole. The fault counters each test moves are checked exactly and added to the
+session's tally (`unprovoked.provoked`): anything beyond them still fails the session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import psutil
+import pytest
+
+from serve_app.launch import ENGINE_PROCESS_MARKERS
+from unprovoked import killed_on_purpose, provoked
+
+pytestmark = pytest.mark.stack
+MODEL = "tiny-qwen2"
+REPLACE_TIMEOUT_S = 420  # a killed replica's replacement: engine start and warm-up on 2 busy cores
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with httpx.Client(base_url=stack.base_url, timeout=httpx.Timeout(120.0)) as c:
+        yield c
+
+
+def state(client) -> dict:
+    r = client.get("/admin/state")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def route(headers) -> dict:
+    return dict(part.split("=", 1) for part in headers["x-disagg-route"].split("; "))
+
+
+def engine_pids(replica_pid: int) -> dict[int, str]:
+    """The vLLM engine processes of the replica process `replica_pid`: {pid: command line}."""
+    out = {}
+    for child in psutil.Process(replica_pid).children(recursive=True):
+        cmd = " ".join(child.cmdline())
+        if any(m in cmd or m in child.name() for m in ENGINE_PROCESS_MARKERS):
+            out[child.pid] = cmd
+    return out
+
+
+def kill_engine_core(instance: dict) -> set[int]:
+    """SIGKILL the EngineCore of the replica behind `instance` (an /admin/state entry); its engine pids."""
+    pids = engine_pids(instance["pid"])
+    core = [pid for pid, cmd in pids.items() if "EngineCore" in cmd] or list(pids)
+    assert core, f"no engine process under replica pid {instance['pid']}"
+    os.kill(core[0], signal.SIGKILL)
+    return set(pids)
+
+
+def wait_until_replaced(client, killed: str, role: str, width: int) -> dict:
+    """Until the pool is back to `width` instances, none of them `killed`; the state then."""
+    deadline = time.monotonic() + REPLACE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        s = state(client)
+        pool = [k for k, v in s["instances"].items() if v["role"] == role]
+        if killed not in pool and len(pool) == width:
+            return s
+        time.sleep(2)
+    raise AssertionError(f"{role} pool not replaced within {REPLACE_TIMEOUT_S} s: {sorted(s['instances'])}")
+
+
+def wait_until_idle(client, timeout_s: float = 60) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = state(client)
+        if s["in_flight"] == 0 and all(v["running"] + v["waiting"] == 0 for v in s["instances"].values()):
+            return s
+        time.sleep(0.2)
+    raise AssertionError(f"the stack did not go idle within {timeout_s} s: {s}")
+
+
+def sse_text(lines) -> tuple[str, list[str]]:
+    """A streamed completion's text and any error events."""
+    text, errors = "", []
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            errors.append(event["error"]["message"])
+        elif event.get("choices"):
+            text += event["choices"][0]["text"]
+    return text, errors
+
+
+def test_a_decode_engine_killed_mid_stream_is_migrated_and_the_greedy_answer_is_unchanged(client, stack):
+    body = {"model": MODEL, "prompt": "A decode engine dies mid-answer; the router carries on:", "max_tokens": 400,
+            "ignore_eos": True, "temperature": 0.0}
+    reference = client.post("/v1/completions", json=body)
+    assert reference.status_code == 200, reference.text
+    before = wait_until_idle(client)
+    width = sum(v["role"] == "decode" for v in before["instances"].values())
+    assert width >= 2, "migration needs a second decode instance"
+
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        served = route(r.headers)["served_decode"]
+        lines, killed = [], set()
+        for line in r.iter_lines():
+            lines.append(line)
+            if not killed and sum(x.startswith("data: {") for x in lines) >= 3:  # mid-stream
+                killed = kill_engine_core(before["instances"][served])
+    text, errors = sse_text(lines)
+    rid = json.loads(next(x for x in lines if x.startswith("data: {"))[6:])["id"]
+    assert killed, "the stream ended before the engine could be killed"
+    assert errors == []
+    assert text == reference.json()["choices"][0]["text"]  # the whole answer, as if nothing had died
+
+    after = wait_until_replaced(client, served, "decode", width)
+    killed_on_purpose(stack, killed, served)
+    routers = len(after["routers"])
+    provoked(stack, before["counters"], after["counters"], {"migrations": 1, "instances_lost": routers})
+    record = next(json.loads(x) for x in (stack.run_dir / "runs" / "requests.jsonl").read_text().splitlines()
+                  if json.loads(x)["id"] == rid)
+    assert record["migrated_from"] == [served] and record["decode"] != served
+    assert record["output_tokens"] == 400 and record["error"] is None
+
+
+def _send_and_leave(base_url: str, body: dict, after_s: float) -> None:
+    """POST `body` and close the connection `after_s` later, whatever has arrived by then."""
+    url = urlsplit(base_url)
+    raw = json.dumps(body).encode()
+    with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (url.hostname.encode(), len(raw), raw))
+        time.sleep(after_s)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST: gone at once
+
+
+def _words(n: int, rng: random.Random) -> str:
+    return " ".join(rng.choice(("kv", "cache", "blocks", "prefill", "decode", "lease", "router", "engine"))
+                    for _ in range(n))
+
+
+def test_a_client_leaving_before_its_first_token_frees_the_kv_on_both_engines_within_a_second(client, stack):
+    """At every moment before the first token (queued, prefilling, between the prefill and the
+    decode's pull), a client that leaves costs no KV for longer than a second: the prefill
+    engine's blocks are not held for a pull that will never come (Dynamo #13691). Seen on the
+    engines' own KV gauges, refreshed by a one-token request after the second."""
+    rng = random.Random(7)
+    long = {"model": MODEL, "max_tokens": 64, "ignore_eos": True, "temperature": 0.0, "stream": True}
+    probe = {"model": MODEL, "prompt": "probe", "max_tokens": 1}
+    t0 = time.monotonic()
+    with client.stream("POST", "/v1/completions", json={**long, "prompt": _words(500, rng),
+                                                         "stream_options": {"include_usage": True}}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        ttft_s = time.monotonic() - t0  # the scale of the window to hit
+        usage = [json.loads(x[6:]) for x in lines if x.startswith("data: {")][-1]["usage"]
+    prompt_tokens = usage["prompt_tokens"]
+    before = wait_until_idle(client)
+    log = stack.run_dir / "runs" / "requests.jsonl"
+    seen = len(log.read_text().splitlines()) if log.exists() else 0
+
+    held = []
+    for k in range(12):
+        _send_and_leave(stack.base_url, {**long, "prompt": _words(500, rng)}, after_s=ttft_s * k / 8)
+        time.sleep(1.0)
+        assert client.post("/v1/completions", json=probe).status_code == 200  # a step on every engine it meets
+        time.sleep(0.3)  # the next poll
+        s = state(client)
+        held.append({k: v["kv_used_tokens"] for k, v in s["instances"].items()})
+    wait_until_idle(client)
+    # the probe's own blocks are a few tokens; a leaked prompt would hold ~prompt_tokens
+    assert all(used < prompt_tokens // 2 for h in held for used in h.values()), held
+
+    records = [json.loads(x) for x in log.read_text().splitlines()[seen:]] if log.exists() else []
+    left = [r for r in records if r["error"] == "cancelled by client"]
+    assert left, "no disconnect reached the router"
+    assert any(r["ttft_s"] is None and r["prefill"] is not None for r in left), \
+        "no client left between its prefill and its first token: the window this test is about was not hit"
+    provoked(stack, before["counters"], state(client)["counters"], {})
+
+
+def test_a_prefill_engine_killed_during_handoffs_loses_no_request(client, stack):
+    """The only prefill engine dies while requests are prefilling, transferring and decoding:
+    every request completes with the greedy text it has when nothing fails (retried on a decode
+    instance that prefills itself), and so does every request sent while Serve replaces it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(11)
+    prompts = [_words(400, rng) for _ in range(8)]
+    body = {"model": MODEL, "max_tokens": 24, "ignore_eos": True, "temperature": 0.0}
+    reference = {p: client.post("/v1/completions", json={**body, "prompt": p}).json()["choices"][0]["text"]
+                 for p in prompts}
+    before = wait_until_idle(client)
+    (prefill_id, prefill), = [(k, v) for k, v in before["instances"].items() if v["role"] == "prefill"]
+
+    def ask(prompt: str) -> tuple[int, str]:
+        with httpx.Client(base_url=stack.base_url, timeout=httpx.Timeout(120.0)) as c:
+            r = c.post("/v1/completions", json={**body, "prompt": prompt})
+            return r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = [pool.submit(ask, p) for p in prompts]
+        time.sleep(0.05)  # the first prefills are under way, the first transfers about to start
+        killed = kill_engine_core(prefill)
+        results = [a.result() for a in answers]
+    assert results == [(200, reference[p]) for p in prompts]
+
+    during = 0  # while the replica is replaced, requests keep being served
+    deadline = time.monotonic() + REPLACE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        p = prompts[during % len(prompts)]
+        assert ask(p) == (200, reference[p])
+        during += 1
+        pool_now = [k for k, v in state(client)["instances"].items() if v["role"] == "prefill"]
+        if pool_now and prefill_id not in pool_now:
+            break
+        time.sleep(1.0)
+    after = wait_until_replaced(client, prefill_id, "prefill", 1)
+    killed_on_purpose(stack, killed, prefill_id)
+    routers = len(after["routers"])
+    moved = provoked(stack, before["counters"], after["counters"], {"instances_lost": routers},
+                     may_move=("prefill_retries", "local_prefill_fallbacks", "decode_retries"))
+    # every request sent while the pool was empty prefilled locally (the last may have met the new one)
+    assert moved.get("local_prefill_fallbacks", 0) >= during - 1
+    # and once it is back, the handoff runs through it again
+    r = client.post("/v1/completions", json={**body, "prompt": prompts[0]})
+    assert r.json()["choices"][0]["text"] == reference[prompts[0]]
+    assert route(r.headers)["served_prefill"] == route(r.headers)["prefill"] != route(r.headers)["served_decode"]
+
+
+def test_a_router_replica_killed_mid_stream_ends_its_streams_and_comes_back_with_the_engines_in_view(client, stack):
+    """The router replica serving a stream dies: the client's stream ends (no hang), the engine
+    stops decoding for it, Serve starts a new router replica, which rebuilds its view of every
+    engine from their polls and serves."""
+    before = wait_until_idle(client)
+    engines = set(before["instances"])
+    body = {"model": MODEL, "prompt": "The router dies mid-answer.", "max_tokens": 1800, "ignore_eos": True,
+            "stream": True}
+    t0, ended = time.monotonic(), "without [DONE]"
+    try:
+        with httpx.Client(base_url=stack.base_url, timeout=httpx.Timeout(60.0)) as c:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                router = r.headers["x-disagg-router"]
+                dying = state(client)["routers"][router]
+                n = 0
+                for line in r.iter_lines():
+                    n += line.startswith("data: {")
+                    if n == 3:
+                        os.kill(dying["pid"], signal.SIGKILL)
+                    if '"error"' in line or line == "data: [DONE]":
+                        ended = "with an error event" if '"error"' in line else "completed"
+                        break
+    except httpx.HTTPError as e:  # the connection was cut
+        ended = f"cut ({type(e).__name__})"
+    assert ended != "completed", "the stream completed although its router died"
+    assert time.monotonic() - t0 < 60, f"the stream took {time.monotonic() - t0:.0f} s to end ({ended})"
+    wait_until_idle(client, timeout_s=10)  # the engine stopped decoding for the dead router (1,800 tokens take longer)
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # Serve replaces the router; the new one polls the engines
+        try:
+            s = state(client)
+        except (httpx.HTTPError, AssertionError):
+            s = None
+        if s and router not in s["routers"] and len(s["routers"]) == len(before["routers"]) \
+                and all(set(state(client)["instances"]) == engines for _ in range(4)):
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError(f"the router replica was not replaced with the engines in view: {s}")
+    after = wait_until_idle(client)
+    # the dead replica's counters left the sums with it: so do the faults counted there
+    for k in stack.provoked:
+        stack.provoked[k] -= dying["counters"].get(k, 0)
+    r = client.post("/v1/completions", json={**body, "stream": False, "max_tokens": 8})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    assert after["counters"]["failed"] - (before["counters"]["failed"] - dying["counters"]["failed"]) == 0

@@ -1,0 +1,77 @@
+"""Teardown kills only the engines its own stack started, never another run's on the same machine."""
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from serve_app.launch import STACK_ID_VAR, engine_processes, stack_engines_left
+
+
+def fake_engine(stack_id: str | None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != STACK_ID_VAR}
+    if stack_id:
+        env[STACK_ID_VAR] = stack_id
+    # a process whose command line reads like vLLM's engine core
+    return subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore sleep 60"], env=env)
+
+
+def test_engines_are_told_apart_by_the_stack_that_started_them():
+    ours, theirs, unmarked = fake_engine("stack-a"), fake_engine("stack-b"), fake_engine(None)
+    try:
+        deadline = time.monotonic() + 10
+        while len({ours.pid, theirs.pid, unmarked.pid} & set(engine_processes())) < 3:
+            assert time.monotonic() < deadline, "fake engines did not show up in ps"
+            time.sleep(0.05)
+        assert ours.pid in engine_processes("stack-a")
+        assert theirs.pid not in engine_processes("stack-a") and unmarked.pid not in engine_processes("stack-a")
+        left = stack_engines_left()
+        assert ours.pid in left and theirs.pid in left and unmarked.pid not in left
+    finally:
+        for p in (ours, theirs, unmarked):
+            p.kill()
+            p.wait(timeout=10)
+
+
+def test_no_cluster_is_known_at_once_without_waiting_for_ray_status(monkeypatch):
+    import socket
+    import time
+
+    from serve_app import launch
+
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(launch, "RAY_ADDRESS", f"127.0.0.1:{port}")
+    monkeypatch.setattr(launch.subprocess, "run", lambda *a, **k: pytest.fail("ray status must not run"))
+    t0 = time.monotonic()
+    assert launch.ray_running() is False
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_stop_after_ray_vanished_kills_engines_that_ignore_sigterm_within_the_budget(monkeypatch):
+    """Ray gone (`ray stop --force` under `make run`): the engines it orphaned are ours to stop, and
+    the stop ends within its budget even when they ignore SIGTERM."""
+    from serve_app import launch
+
+    env = {**{k: v for k, v in os.environ.items() if k != STACK_ID_VAR}, STACK_ID_VAR: "stack-stop"}
+    stubborn = subprocess.Popen(["bash", "-c", "trap '' TERM; exec -a VLLM::EngineCore sleep 60"], env=env)
+    other = fake_engine("stack-other")
+    try:
+        deadline = time.monotonic() + 10
+        while stubborn.pid not in engine_processes("stack-stop"):
+            assert time.monotonic() < deadline, "the fake engine did not show up in ps"
+            time.sleep(0.05)
+        monkeypatch.setattr(launch, "ray_running", lambda: False)
+        stack = launch.LocalStack.__new__(launch.LocalStack)
+        stack.deployed, stack.stack_id, stack.started_ray, stack.log = True, "stack-stop", False, lambda m: None
+        t0 = time.monotonic()
+        stack.stop(timeout_s=10.0)
+        assert time.monotonic() - t0 < 12.0
+        assert stubborn.wait(timeout=5) == -9  # SIGKILL, after SIGTERM was ignored
+        assert other.poll() is None  # another stack's engine is left alone
+    finally:
+        for p in (stubborn, other):
+            p.kill()
+            p.wait(timeout=10)

@@ -1,0 +1,141 @@
+"""The multi-model router's decision path in-process, with stand-in engine handles.
+
+The engines are not under test here (test_multi_model_live.py runs the real ones); the router is:
+its class is instantiated without Serve, its pool handles answer `state` polls and stream tokens
+like engine replicas would. This covers what the CPU profile cannot show cheaply: a disaggregated
+model behind the alias (the choice pins the prefill engine, the model's P/D policy picks the
+decode engine), and the in-flight ledger feeding the estimator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray.serve")
+from starlette.requests import Request  # noqa: E402
+
+from serve_app.messages import DecodeChunk  # noqa: E402
+from factories import StandInPool  # noqa: E402
+from serve_app.router import Router  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+LONG = "the router prices every candidate " * 125  # 1,501 tokens
+
+
+class _Stream:
+    """A decode stream: `n` one-token chunks, the first after `first_s`; it holds until released."""
+
+    def __init__(self, replica: str, n: int, first_s: float, hold: asyncio.Event | None):
+        self.replica, self.n, self.i, self.first_s, self.hold = replica, n, 0, first_s, hold
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.i >= self.n:
+            raise StopAsyncIteration
+        if self.i == 1 and self.hold is not None:
+            await self.hold.wait()
+        await asyncio.sleep(self.first_s if self.i == 0 else 0.0)
+        self.i += 1
+        first = self.i == 1
+        return DecodeChunk((7,), "a", "length" if self.i == self.n else None,
+                           replica=self.replica if first else None, engine_first_token_s=self.first_s if first else None)
+
+    def cancel(self):
+        pass
+
+
+class _Pool(StandInPool):
+    """Replicas `ids`; decodes stream `max_tokens` one-token chunks, holding after the first until `hold`."""
+
+    def __init__(self, role: str, ids: list[str], hold: asyncio.Event | None = None):
+        super().__init__(role, ids)
+        self.hold = hold
+
+    def decode_stream(self, call, replica):
+        return _Stream(replica, call.sampling["max_tokens"], 0.001, self.hold)
+
+
+def _args(disaggregated_tiny: bool = False) -> dict:
+    args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local-multi.yaml").read_text())
+                         ["applications"][0]["args"])
+    args["router"]["request_log"] = None
+    if disaggregated_tiny:
+        tiny = args["models"][0]
+        tiny.pop("colocated")
+        tiny.update(prefill={"num_replicas": 2, "num_cpus": 0.1}, decode={"num_replicas": 1, "num_cpus": 0.1})
+    return args
+
+
+def _request(body: dict, headers: dict | None = None) -> Request:
+    raw = json.dumps(body).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                    "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}, receive)
+
+
+async def _router(args: dict, pools: dict) -> Router:
+    cls = Router.__mro__[1]  # the class under Serve's ingress wrapper
+    r = cls.__new__(cls)
+    await r.__init__(None, None, args, pools)
+    r.stop_background()  # polled by hand below: no timing in the test
+    await r.poll_once()
+    return r
+
+
+async def _complete(r, model, prompt, headers=None, max_tokens=4):
+    resp = await r._handle(_request({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                     "ignore_eos": True}, headers), chat=False)
+    body = json.loads(resp.body)
+    assert resp.status_code == 200, body
+    route = dict(p.split("=", 1) for p in resp.headers["x-disagg-route"].split("; "))
+    return body, route
+
+
+def test_a_disaggregated_model_behind_the_alias_prefills_on_the_chosen_engine():
+    async def run():
+        prefill, decode = _Pool("prefill", ["p1", "p2"]), _Pool("decode", ["d1"])
+        small = _Pool("both", ["s1"])
+        r = await _router(_args(disaggregated_tiny=True),
+                          {"tiny-qwen2": {"prefill": prefill, "decode": decode}, "small-qwen2": {"both": small}})
+        body, rt = await _complete(r, "auto", LONG, {"X-TTFT-Limit-Ms": "40"})
+        assert body["model"] == "tiny-qwen2" and rt["candidates"] == "3"  # two prefill engines + one colocated
+        assert rt["instance"].startswith("tiny-qwen2:prefill-")
+        assert rt["prefill"] == rt["instance"] == rt["served_prefill"]  # the chosen engine did the prefill
+        assert rt["decode"] == rt["served_decode"] == "tiny-qwen2:decode-d1" and rt["policy"] == "marginal_cost"
+        assert [c[0] for c in prefill.calls] == ["prefill"] and [c[0] for c in decode.calls] == ["decode"]
+        assert small.calls == []
+        body, rt = await _complete(r, "auto", LONG, {"X-TTFT-Limit-Ms": "2000"})
+        assert body["model"] == "small-qwen2" and rt["instance"] == rt["served_decode"] == "small-qwen2:both-s1"
+    asyncio.run(run())
+
+
+def test_requests_in_flight_raise_the_estimate_of_their_instance():
+    async def run():
+        hold = asyncio.Event()
+        tiny, small = _Pool("both", ["t1"], hold), _Pool("both", ["s1"], hold)
+        r = await _router(_args(), {"tiny-qwen2": {"both": tiny}, "small-qwen2": {"both": small}})
+        _, before = await _complete(r, "auto", LONG, {"X-TTFT-Limit-Ms": "5000", "X-Route-Lambda": "1e9"},
+                                    max_tokens=1)
+        busy = [asyncio.create_task(_complete(r, "tiny-qwen2", LONG, max_tokens=64)) for _ in range(6)]
+        await asyncio.sleep(0.05)
+        assert len(r.flights) == 6  # decoding on the tiny engine, as the router's ledger knows them
+        _, after = await _complete(r, "auto", LONG, {"X-TTFT-Limit-Ms": "5000", "X-Route-Lambda": "1e9"},
+                                   max_tokens=1)
+        hold.set()
+        await asyncio.gather(*busy)
+        assert r.flights == {} and len(r.ledger) == 0  # finished requests leave the snapshots
+        return before, after
+    before, after = asyncio.run(run())
+    # a huge λ: the cheap tiny model both times; its estimated TTFT now includes the 6 decodes in flight
+    assert before["model"] == after["model"] == "tiny-qwen2"
+    assert float(after["ttft"]) > float(before["ttft"])

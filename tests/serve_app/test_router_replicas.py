@@ -1,0 +1,135 @@
+"""Two router replicas over the same engines do not herd: each sees the other's admitted work.
+
+The routers run in-process (the real `Router` class, its registry, dispatcher and ledger) over
+stand-in engine pools that keep an engine's ledger of the calls they serve exactly as
+`EngineServer` does (`AdmittedWork`, added when a call arrives, removed when it ends) and report
+it in their state. The live proof that two replicas serve and spread traffic is the CPU profile
+itself (deployments/local.yaml runs two routers; tests/serve_app/test_serving.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray.serve")
+
+from starlette.requests import Request  # noqa: E402
+
+from disagg.core.ledger import AdmittedWork  # noqa: E402
+from disagg.core.types import Role  # noqa: E402
+from serve_app.messages import DecodeChunk  # noqa: E402
+from factories import StandInPool, idle_state  # noqa: E402
+from serve_app.router import Router  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Held:
+    """A decode stream that holds after its first token until released, with the engine's ledger
+    entry for the call open from the call's arrival until the stream ends (as in EngineServer)."""
+
+    def __init__(self, engines: "_Engines", call, replica: str):
+        self.engines, self.call, self.replica, self.i = engines, call, replica, 0
+        engines.admitted[replica].add(call.router, call.work_s)
+        engines.decoded_on.append(replica)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.i == 1:
+            await self.engines.release.wait()
+        if self.i == 2:
+            self.engines.admitted[self.replica].remove(self.call.router, self.call.work_s)
+            raise StopAsyncIteration
+        self.i += 1
+        return DecodeChunk((7,), "a", "length" if self.i == 2 else None,
+                           replica=self.replica if self.i == 1 else None, engine_first_token_s=0.001)
+
+    def cancel(self):
+        pass
+
+
+class _Engines(StandInPool):
+    """A pool of stand-in engines: each keeps `AdmittedWork` like EngineServer and reports it in its
+    state; decodes hold until released."""
+
+    def __init__(self, role: Role, ids: list[str]):
+        super().__init__(role, ids)
+        self.admitted = {r: AdmittedWork() for r in ids}
+        self.release = asyncio.Event()
+        self.decoded_on: list[str] = []
+
+    def state(self, replica):
+        return idle_state(replica, self.role, self.admitted[replica].totals())
+
+    async def prefill_reply(self, call, replica):
+        self.admitted[replica].add(call.router, call.work_s)
+        self.admitted[replica].remove(call.router, call.work_s)
+        return await super().prefill_reply(call, replica)
+
+    def decode_stream(self, call, replica):
+        return _Held(self, call, replica)
+
+
+def _args() -> dict:
+    args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
+    args["router"].update(request_log=None, policy="marginal_cost")
+    return args
+
+
+async def _router(prefill: _Engines, decode: _Engines) -> Router:
+    cls = Router.__mro__[1]  # the class under Serve's ingress wrapper
+    r = cls.__new__(cls)
+    await r.__init__(prefill, decode, _args())
+    r.stop_background()  # polled by hand: the test decides how stale each view is
+    await r.poll_once()
+    return r
+
+
+def _request(i: int) -> Request:
+    raw = json.dumps({"model": "tiny-qwen2", "prompt": f"request {i} " * 20, "max_tokens": 200,
+                      "ignore_eos": True}).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive)
+
+
+@pytest.mark.parametrize("engines_report_ledgers, expect_spread", [(True, True), (False, False)])
+def test_a_second_router_avoids_the_instance_the_first_one_loaded(engines_report_ledgers, expect_spread):
+    """Router A sends a long request to a decode instance; router B, having polled since, sends the
+    next one elsewhere. Without the engines' ledgers B sees two idle instances and herds."""
+
+    async def scenario():
+        prefill, decode = _Engines(Role.PREFILL, ["p0"]), _Engines(Role.DECODE, ["d0", "d1"])
+        a, b = await _router(prefill, decode), await _router(prefill, decode)
+        assert a.router_id != b.router_id
+        if not engines_report_ledgers:
+            decode.admitted = {r: _Blind() for r in decode.ids}
+        first = asyncio.create_task(a._handle(_request(0), chat=False))
+        while len(decode.decoded_on) < 1:
+            await asyncio.sleep(0.001)
+        await b.poll_once()  # B's next poll: A's request is on the engine's ledger now
+        second = asyncio.create_task(b._handle(_request(1), chat=False))
+        while len(decode.decoded_on) < 2:
+            await asyncio.sleep(0.001)
+        decode.release.set()
+        await asyncio.gather(first, second)
+        return decode.decoded_on
+
+    on = asyncio.run(scenario())
+    assert (on[0] != on[1]) is expect_spread, on
+
+
+class _Blind(AdmittedWork):
+    """An engine that does not report its ledger (what one router alone would see of the other)."""
+
+    def totals(self):
+        return {}
