@@ -103,6 +103,7 @@ def stack_engines_left() -> list[int]:
 
 
 RAY_ADDRESS = "127.0.0.1:6379"
+SERVE_RUN_TIMEOUT_S = 300.0  # `serve run --non-blocking` returns once the config is submitted
 METRICS_PORT = 8079  # Ray's Prometheus endpoint on this node: Serve's, the engines' and the router's series
 _SERVE_SHUTDOWN = f"import ray; from ray import serve; ray.init(address={RAY_ADDRESS!r}); serve.shutdown()"
 
@@ -235,8 +236,24 @@ class LocalStack:
                     time.sleep(1.0)
 
     def _serve_run(self, config: Path) -> None:
-        subprocess.run([_bin("serve"), "run", "--non-blocking", "--address", RAY_ADDRESS, str(config)],
-                       env=_env(), check=True, capture_output=True, timeout=300)
+        """`serve run --non-blocking` of `config`; fails at once if the cluster goes away meanwhile
+        (an earlier stack's Ray still stopping when this one started, say), not after its timeout."""
+        proc = subprocess.Popen([_bin("serve"), "run", "--non-blocking", "--address", RAY_ADDRESS, str(config)],
+                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + SERVE_RUN_TIMEOUT_S
+        while True:
+            try:
+                out, err = proc.communicate(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                gone = not gcs_listening()
+                if gone or time.monotonic() > deadline:
+                    proc.kill()
+                    proc.communicate()
+                    raise RuntimeError(f"the Ray cluster at {RAY_ADDRESS} went away while deploying {config}" if gone
+                                       else f"deploying {config} took more than {SERVE_RUN_TIMEOUT_S:.0f} s")
+        if proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args, out, err)
 
     def wait_ready(self) -> None:
         self._wait_healthy(self.base_url, self.ready_timeout_s)
@@ -245,6 +262,9 @@ class LocalStack:
         deadline = time.monotonic() + timeout_s
         last = None
         while time.monotonic() < deadline:
+            if not gcs_listening():  # nothing will ever answer: say so now
+                raise RuntimeError(f"the Ray cluster at {RAY_ADDRESS} went away before the app at {base_url} "
+                                   "was healthy")
             try:
                 status, body = _get(f"{base_url}/health")
                 if status == 200:

@@ -75,3 +75,24 @@ def test_stop_after_ray_vanished_kills_engines_that_ignore_sigterm_within_the_bu
         for p in (stubborn, other):
             p.kill()
             p.wait(timeout=10)
+
+
+def test_deploying_into_a_cluster_that_goes_away_fails_at_once(monkeypatch, tmp_path):
+    """`make run` started while an earlier stack's Ray was still stopping: the deploy and the wait
+    for health end as soon as the cluster is gone, instead of waiting out their timeouts."""
+    from serve_app import launch
+
+    hung = subprocess.Popen(["sleep", "60"])  # a `serve run` that never returns
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: hung)
+    listening = iter([True, True, False])
+    monkeypatch.setattr(launch, "gcs_listening", lambda: next(listening, False))
+    stack = launch.LocalStack.__new__(launch.LocalStack)
+    stack.log = lambda m: None
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="went away while deploying"):
+        stack._serve_run(tmp_path / "app.yaml")
+    assert time.monotonic() - t0 < 10.0 and hung.poll() is not None  # killed, not left behind
+
+    monkeypatch.setattr(launch, "_get", lambda *a, **k: pytest.fail("no cluster: nothing to ask"))
+    with pytest.raises(RuntimeError, match="went away before the app"):
+        stack._wait_healthy("http://127.0.0.1:1", timeout_s=600)
