@@ -16,8 +16,9 @@ replica) → tokens stream back through this replica to the proxy.
 - `request_log`: one JSON line per request, and the counters.
 The route decorators stay on this class: `serve.ingress` captures them when it wraps it.
 
-Before parsing: a body larger than `router.max_body_bytes` is refused with 413 as it arrives (it is
-never buffered whole). Before tokenizing: a prompt too large to fit from its size alone gets its 400
+Before reading the body: a router whose own event loop runs `router.shed_loop_lag_s` behind
+answers 429 (`loop_lag`; the cheapest answer a saturated router can give). Before parsing: a body
+larger than `router.max_body_bytes` is refused with 413 as it arrives (it is never buffered whole). Before tokenizing: a prompt too large to fit from its size alone gets its 400
 at once (`ServedModel.too_long`); large prompts that may fit are tokenized off the event loop.
 Errors outside the routes (404 unknown path, 405 wrong method) keep the OpenAI error shape too.
 
