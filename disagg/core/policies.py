@@ -38,13 +38,17 @@ and a YAML example.
 from __future__ import annotations
 
 import hashlib
+import heapq
+import math
 import random
 from typing import Annotated, Any, Callable, ClassVar, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from disagg.core.cost_model import CostModel
-from disagg.core.types import CostTerms, Decision, InstanceView, NoCapacity, RequestFeatures, SloClass
+from disagg.core.types import (
+    PREFIX_BLOCK_TOKENS, CostTerms, Decision, InstanceView, NoCapacity, RequestFeatures, SloClass,
+)
 
 _REGISTRY: dict[str, type["Policy"]] = {}
 
@@ -637,3 +641,207 @@ class PairCost(MarginalCost):
 
 def _with_transfer(t: CostTerms, transfer_s: float) -> CostTerms:
     return CostTerms(t.backlog_s, t.own_work_s, t.pressure, t.queue_s, transfer_s, t.slo_weight)
+
+
+# --- goodput-directed placement ------------------------------------------------------------------
+
+
+class SloGoodputParams(Params):
+    latency_error: float = Field(
+        default=0.15, gt=0.0, le=1.0, allow_inf_nan=False,
+        description="relative spread of a latency prediction: a prediction at x × the target misses with "
+                    "probability Φ((x − 1) / latency_error)",
+    )
+    work_weight: float = Field(
+        default=0.02, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="expected misses charged per TTFT target of latency added (the request's predicted TTFT; a "
+                    "colocated prefill's time, once for its decode instance and once per sequence it stalls)",
+    )
+    allow_colocated: bool = Field(default=True, description="may prefill on the chosen decode instance")
+
+
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+
+
+def _miss(predicted_s: float, target_s: float, spread: float) -> float:
+    """Chance that a latency predicted at `predicted_s` misses `target_s`: a normal error of `spread`
+    × target around the prediction (Φ((x − 1)/spread) with x = predicted/target)."""
+    return 0.5 * math.erfc((1.0 - predicted_s / target_s) / spread * _INV_SQRT2)
+
+
+def _cached_tokens(v: InstanceView, hashes: tuple[int, ...], prompt_tokens: int) -> int:
+    """Prompt tokens `v` holds cached, as a prefill there may reuse them: whole leading blocks, never
+    the block of the last prompt token (always computed, as in vLLM)."""
+    if not hashes:
+        return 0
+    blocks = v.cached_prefix_blocks(hashes)
+    return min(blocks, (prompt_tokens - 1) // PREFIX_BLOCK_TOKENS) * PREFIX_BLOCK_TOKENS if blocks else 0
+
+
+@register
+class SloGoodput(Policy):
+    """`slo_goodput`: the (prefill, decode) placement with the fewest expected SLO misses — prefix-cache
+    aware, colocation included.
+
+    Candidates: the best prefill instance paired with every decode instance (every pair when the
+    cost model has per-pair transfer constants), and each decode instance prefilling the request
+    itself. Each is priced by what it does to SLO attainment, not by raw seconds:
+
+        cost = P(the request misses) + Σ_running ΔP(a running request misses its TPOT)
+               [+ P(KV overflow) for a colocated prefill] + w·latency added / TTFT target
+
+    - The request's TTFT: the queue on the prefill site + the prefill of the prompt tokens *not*
+      cached there + the KV transfer of the tokens the decode instance does not hold + its first
+      decode step (half a step more when a batch is in flight; a full prefill chunk more when the
+      decode instance is busy with a colocated prefill then) + the serving overhead. Colocated: the
+      queue of colocated prefills there + the uncached prefill, chunked beside b decoding sequences.
+    - Its TPOT: τ_dec(b + 1) on the decode instance, plus the colocated prefill time still pending
+      there when it starts decoding, spread over its ô tokens.
+    - Each of the b requests running on the decode instance: TPOT τ_dec(b) + pending colocated
+      prefill / ô before, τ_dec(b + 1) + (that + this request's colocated prefill) / ô after —
+      judged against the strictest class's TPOT target (their classes are not visible), ô being
+      this request's prediction (the predictor gives a point, its mean; no quantile).
+    - A latency predicted at x × its target misses with probability Φ((x − 1)/`latency_error`);
+      TTFT, TPOT and KV overflow count as one miss when any of them happens (taken independent).
+      KV overflow (preemption) is judged the same way on the decode instance's pressure at the
+      request's peak: KV used + its prompt and ô + ô/2 for each running sequence, which is midway
+      through its own output. A colocated prefill on a decode instance that overflows also costs a
+      running sequence's miss: it takes blocks chunk by chunk and so preempts one (vLLM's
+      scheduler, and the simulator's engine model), where a transferred prompt waits for its
+      blocks. Probabilities saturate: a request that will miss anyway goes where it harms the
+      others least.
+    - The last term, `work_weight` × the latency the placement adds / the request's TTFT target,
+      is small: it orders candidates that all surely meet (or surely miss) their targets by the
+      load they add. The latency added is the request's TTFT, plus for a colocated prefill its
+      time once for the decode instance's capacity and once for each of the b sequences it
+      stalls — so decode instances are kept for decoding unless prefilling there saves misses.
+
+    Queues: the ledger's `backlog_s` prices every prompt whole, so on a prefill instance the policy
+    subtracts what it knows the ledger overprices: the cached part of its own prefills there, until
+    their predicted end. On a decode instance the backlog mixes colocated prefill with decode work,
+    so the policy keeps its own clock of when the colocated prefills it sent there end, bounded by
+    the backlog; with several router replicas each sees only its own colocated prefills there
+    (private state, like a round-robin cursor: fresh per replica). Cached prefixes come from
+    `InstanceView.cached_prefix_blocks`; live views carry none, so every prompt is priced uncached
+    there and the policy still works.
+
+    Parameters (each from first principles, none fitted to a trace): `latency_error` (0.15: one
+    engine step and a 50 ms poll against a 175 ms TTFT target are 10–30% of it), `work_weight`
+    (0.02: a whole TTFT target of added latency is worth 2% of a miss, below any real change in
+    miss probability), `allow_colocated` (true).
+
+    ```yaml
+    policy: {name: slo_goodput, params: {latency_error: 0.15, work_weight: 0.02, allow_colocated: true}}
+    ```
+    """
+
+    name = "slo_goodput"
+    Params = SloGoodputParams
+
+    @property
+    def may_colocate(self) -> bool:
+        return self.params.allow_colocated
+
+    def __init__(self, cost_model: CostModel, params: Params | None = None) -> None:
+        super().__init__(cost_model, params)
+        # decode instance → when the colocated prefills this policy sent there end (its own clock)
+        self._colocated_ends: dict[str, float] = {}
+        # prefill instance → heap of (predicted end, seconds the ledger overprices it) of this policy's
+        # prefills there: the ledger prices a prompt whole, the engine computes only its uncached part
+        self._overpriced: dict[str, list[tuple[float, float]]] = {}
+        self._tpot_floor_s = min(t.tpot_s for t in cost_model.slo.values())  # the strictest class's target
+
+    def _prefill_queue_s(self, v: InstanceView, now: float) -> float:
+        """The ledger's backlog on a prefill instance, less the cache hits of our prefills still in it."""
+        heap = self._overpriced.get(v.instance_id)
+        if not heap:
+            return v.backlog_s
+        while heap and heap[0][0] <= now:  # ended: the ledger has dropped its whole price too
+            heapq.heappop(heap)
+        return max(0.0, v.backlog_s - sum(x for _, x in heap))
+
+    def _colocated_queue_s(self, v: InstanceView, now: float) -> float:
+        """Colocated prefill still to run on a decode instance. The ledger's backlog there mixes it with
+        decode work, so: our own clock, bounded by that backlog."""
+        return min(v.backlog_s, max(0.0, self._colocated_ends.get(v.instance_id, now) - now))
+
+    def choose(self, req, prefill, decode, now):
+        prm, cm = self.params, self.cost_model
+        spread, w = prm.latency_error, prm.work_weight
+        target = cm.target(req.slo_class)
+        ttft_t, tpot_t, tpot_others = target.ttft_s, target.tpot_s, self._tpot_floor_s
+        prompt, hashes = req.prompt_tokens, req.prefix_hashes
+        out = max(1, req.predicted_output_tokens)
+        overhead = cm.serving_overhead_s
+        decode_ok = _feasible(decode, req, "decode")
+        prefill_ok = [v for v in prefill if _fits(v, prompt)]
+        if not prefill_ok and not prm.allow_colocated:
+            _feasible(prefill, req, "prefill")  # raises the precise reason
+            raise NoCapacity("no prefill candidate fits and colocated prefill is disabled")
+
+        # prefill side: (end of its prefill, queue, work, instance); only the end matters to a pair,
+        # so without per-pair transfer constants the earliest end is the only prefill worth pairing
+        ends = []
+        for p in prefill_ok:
+            q = self._prefill_queue_s(p, now)
+            work = cm.for_instance(p.instance_id).prefill_s(prompt - _cached_tokens(p, hashes, prompt))
+            ends.append((q + work, q, work, p))
+        if ends and not cm.pairs:
+            ends = [min(ends, key=lambda e: e[0])]  # first of equal minima
+
+        best = None  # (cost, prefill view, decode view, queue, work, transfer, first step, tpot, press)
+        for d in decode_ok:
+            ec = cm.for_instance(d.instance_id)
+            b = d.queued
+            pending = self._colocated_queue_s(d, now)
+            held = _cached_tokens(d, hashes, prompt)
+            # KV at the request's peak: its prompt and output, and the running sequences' growth
+            # meanwhile (half an output each on average: they are midway through theirs)
+            press = d.pressure_after(prompt + out + b * out // 2)
+            ok_kv = 1.0 - _miss(press, 1.0, spread)
+            tau_after = ec.decode_token_s(b + 1)
+            before = _miss(ec.decode_token_s(b) + pending / out, tpot_others, spread) if b else 0.0
+            step = ec.step_s(0, b + 1)
+            for end, q, work, p in ends:
+                xfer = cm.transfer_s(p.instance_id, d.instance_id, prompt - held)
+                arrive = end + xfer
+                # the first token comes from d's next step: longer while d prefills a colocated prompt
+                first = ec.step_s(ec.max_batched_tokens - b - 1, b + 1) if pending > arrive else step
+                if b:
+                    first *= 1.5  # + the rest of the step in flight, half a step on average
+                ttft = arrive + first + overhead
+                tpot = tau_after + max(0.0, pending - arrive) / out
+                after = _miss(tau_after + pending / out, tpot_others, spread) if b else 0.0
+                meet = (1.0 - _miss(ttft, ttft_t, spread)) * (1.0 - _miss(tpot, tpot_t, spread)) * ok_kv
+                cost = 1.0 - meet + b * (after - before) + w * ttft / ttft_t
+                if best is None or cost < best[0]:
+                    best = (cost, p, d, q, work, xfer, first, tpot, press)
+            if prm.allow_colocated:
+                uncached = prompt - held
+                chunk = max(1, ec.max_batched_tokens - b)
+                # beside b decoding sequences, each step prefills (budget − b) tokens and costs them their step
+                work = (ec.prefill_overhead_s + -(-uncached // chunk) * (ec.step_base_s + ec.decode_seq_s * b)
+                        + ec.prefill_token_s * uncached)
+                ttft = pending + work + overhead
+                after = _miss(tau_after + (pending + work) / out, tpot_others, spread) if b else 0.0
+                meet = (1.0 - _miss(ttft, ttft_t, spread)) * (1.0 - _miss(tau_after, tpot_t, spread)) * ok_kv
+                # its time is taken from d and from each of the b sequences waiting for it; and if d's
+                # KV overflows it preempts a running sequence (it takes blocks chunk by chunk, where a
+                # transferred prompt waits for all of them): one more miss
+                cost = 2.0 - meet - ok_kv + b * (after - before) + w * (ttft + (1 + b) * work) / ttft_t
+                if best is None or cost < best[0]:
+                    best = (cost, d, d, pending, work, 0.0, 0.0, tau_after, press)
+
+        # best is set: decode_ok is not empty, and either colocation is allowed or a prefill fits
+        _, p, d, q, work, xfer, first, tpot, press = best
+        if p is d:
+            self._colocated_ends[d.instance_id] = now + q + work
+        else:
+            overpriced = cm.for_instance(p.instance_id).prefill_s(prompt) - work
+            if overpriced > 0.0:
+                heapq.heappush(self._overpriced.setdefault(p.instance_id, []), (now + q + work, overpriced))
+        return Decision(
+            p.instance_id, d.instance_id, self.name,
+            CostTerms(backlog_s=q, own_work_s=work, pressure=p.pressure_after(prompt)),
+            CostTerms(backlog_s=first, own_work_s=out * tpot, pressure=press, transfer_s=xfer),
+        )

@@ -92,7 +92,7 @@ def test_a_colocated_prefill_caches_its_prefix_when_it_ends_not_when_the_request
 
 # --- requests without hashes -------------------------------------------------------------------------
 
-POLICIES = ["round_robin", "least_loaded", "marginal_cost", "pair_cost", "colocated", "prefix_affinity"]
+POLICIES = ["round_robin", "least_loaded", "marginal_cost", "pair_cost", "colocated", "prefix_affinity", "slo_goodput"]
 
 
 def _unique_hashes(trace):
@@ -155,3 +155,13 @@ def test_prefix_affinity_reuses_more_than_least_loaded_on_multi_turn_chat(cm):
     hit = {p: simulate(trace, a40, Topology(2, 4), p)[0]["prefix_cache"]["hit_rate"]
            for p in ("least_loaded", "prefix_affinity")}
     assert hit["prefix_affinity"] > hit["least_loaded"] + 0.05
+
+
+def test_slo_goodput_reuses_the_caches_and_meets_more_slos_than_the_cache_blind_on_multi_turn_chat():
+    # 1,200 multi-turn requests at 8 req/s, 2P4D, a40: past the cache-blind policies' plateau
+    a40 = load_profile("a40")
+    trace = prepare_trace(generate("multi_turn_chat", 1200, 8.0, 0), None, 0.5, 0)
+    runs = {p: simulate(trace, a40, Topology(2, 4), p)[0] for p in ("least_loaded", "pair_cost", "slo_goodput")}
+    hit = {p: s["prefix_cache"]["hit_rate"] for p, s in runs.items()}
+    assert hit["slo_goodput"] > hit["least_loaded"] + 0.05
+    assert runs["slo_goodput"]["goodput"] > max(runs["least_loaded"]["goodput"], runs["pair_cost"]["goodput"]) + 0.02

@@ -1,0 +1,149 @@
+"""`slo_goodput`: placement by expected SLO misses, prefix-cache aware, colocation included.
+
+Hand-built views on the small test cost model with a faster prefill (0.1 ms per prompt token), so
+that prompts of a few 512-token prefix blocks fit the targets: a lone prefill of n tokens takes
+0.0001·n + 0.01 per 256-token chunk; tight TTFT 0.2 s, loose 0.6 s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from disagg.core.policies import build_policy
+from disagg.core.types import InstanceView, RequestFeatures, Role, SloClass
+from factories import engine_dict, make_cost_model, make_instances, make_request
+
+HASHES = (11, 12, 13, 14)  # a 4-block prompt; a 2000-token prompt may reuse 3 blocks (1536 tokens)
+
+
+@pytest.fixture(scope="module")
+def cm():
+    return make_cost_model(engine=engine_dict(prefill_token_s=0.0001))
+
+
+def holding(blocks: int):
+    """A prefix lookup for an instance holding the first `blocks` blocks of HASHES."""
+    return lambda hashes: sum(1 for _ in zip(hashes, HASHES[:blocks]))
+
+
+def with_caches(views: list[InstanceView], cached: list[int]) -> list[InstanceView]:
+    return [replace(v, prefix_lookup=holding(c)) for v, c in zip(views, cached)]
+
+
+def req(prompt: int = 2000, slo: SloClass = SloClass.LOOSE, out: int = 100, hashes=HASHES) -> RequestFeatures:
+    return replace(make_request(prompt_tokens=prompt, predicted_output_tokens=out, slo_class=slo),
+                   prefix_hashes=hashes)
+
+
+@pytest.mark.parametrize("cached, expected", [([0, 4], "p1"), ([4, 0], "p0")])
+def test_a_cached_prefill_instance_beats_an_equally_loaded_uncached_one(cm, cached, expected):
+    prefill = with_caches(make_instances(Role.PREFILL, backlog_s=[0.1, 0.1], queued=[1, 1]), cached)
+    d = build_policy("slo_goodput", cm).choose(req(), prefill, make_instances(Role.DECODE, n=2), now=0.0)
+    assert (d.prefill_id, d.colocated) == (expected, False)
+    assert d.prefill_cost.own_work_s == pytest.approx(cm.engine.prefill_s(2000 - 1536))
+
+
+def test_a_decode_instance_holding_the_prefix_prefills_it_itself(cm):
+    # uncached on the prefill pool (0.28 s of prefill), cached on d1 (464 tokens, 0.066 s): no transfer either
+    decode = with_caches(make_instances(Role.DECODE, n=3), [0, 4, 0])
+    d = build_policy("slo_goodput", cm).choose(req(), make_instances(Role.PREFILL, n=2), decode, now=0.0)
+    assert (d.prefill_id, d.decode_id) == ("d1", "d1")
+
+
+@pytest.mark.parametrize("slo", list(SloClass))
+def test_colocates_when_the_prefill_pool_is_far_behind_and_a_decode_instance_is_idle(cm, slo):
+    prefill = make_instances(Role.PREFILL, backlog_s=[5.0, 6.0], queued=[30, 35])
+    decode = make_instances(Role.DECODE, backlog_s=[3.0, 0.0], queued=[20, 0], kv_used=[4000, 0])
+    d = build_policy("slo_goodput", cm).choose(req(200, slo), prefill, decode, now=0.0)
+    assert (d.prefill_id, d.decode_id) == ("d1", "d1")
+
+
+def test_disaggregates_when_the_prefill_pool_keeps_up(cm):
+    # the same fleet with an idle prefill pool: both placements meet the targets; the decode
+    # instance's time is kept for decoding
+    decode = make_instances(Role.DECODE, backlog_s=[3.0, 0.0], queued=[20, 0], kv_used=[4000, 0])
+    d = build_policy("slo_goodput", cm).choose(req(200), make_instances(Role.PREFILL, n=2), decode, now=0.0)
+    assert not d.colocated and d.prefill_id == "p0"
+
+
+def test_without_colocation_it_stays_in_the_prefill_pool(cm):
+    prefill = make_instances(Role.PREFILL, backlog_s=[5.0, 6.0], queued=[30, 35])
+    decode = make_instances(Role.DECODE, backlog_s=[3.0, 0.0], queued=[20, 0])
+    d = build_policy("slo_goodput", cm, {"allow_colocated": False}).choose(req(200), prefill, decode, now=0.0)
+    assert d.prefill_id == "p0" and not d.colocated
+
+
+@pytest.mark.parametrize("backlog, expected", [
+    (0.7, "p1"),  # the cached p0 would miss the 0.6 s target (0.72 s); the uncached p1 meets it (0.18 s)
+    (0.1, "p0"),  # both meet: the cached one, sooner and less work
+])
+def test_avoids_a_candidate_whose_ttft_would_miss_when_another_meets(cm, backlog, expected):
+    # 1100 tokens: p0 holds 2 reusable blocks (76 tokens to compute), p1 nothing
+    prefill = with_caches(make_instances(Role.PREFILL, backlog_s=[backlog, 0.0], queued=[3, 0]), [4, 0])
+    decode = make_instances(Role.DECODE, n=2)
+    d = build_policy("slo_goodput", cm).choose(req(1100), prefill, decode, now=0.0)
+    assert (d.prefill_id, d.colocated) == (expected, False)
+
+
+def test_meets_the_ttft_by_colocating_although_that_takes_more_work(cm):
+    # 3000 tokens, nothing cached: the prefill pool (0.3 s queued) would answer in 0.76 s, past the
+    # 0.6 s loose target; prefilling on the idle decode instance answers in 0.42 s but costs that
+    # instance 0.42 s of work: by latency and work alone the prefill pool would win
+    prefill = make_instances(Role.PREFILL, backlog_s=[0.3], queued=[2])
+    d = build_policy("slo_goodput", cm).choose(req(3000, hashes=()), prefill, make_instances(Role.DECODE, n=1), now=0.0)
+    assert d.colocated
+
+
+def test_a_tight_request_avoids_the_decode_instance_where_its_tpot_would_miss(cm):
+    # slow KV links (10k tokens/s): d0 holds the prefix, so its transfer is short and its TTFT the
+    # smaller, but with 45 sequences running, τ_dec(46) = 0.056 s > the 0.05 s tight TPOT target
+    slow = make_cost_model(engine=engine_dict(prefill_token_s=0.0001),
+                           transfer={"latency_s": 0.002, "tokens_per_s": 10_000.0})
+    prefill = with_caches(make_instances(Role.PREFILL, n=1), [4])
+    decode = with_caches(make_instances(Role.DECODE, backlog_s=[0.5, 0.5], queued=[45, 10]), [4, 0])
+    pol = build_policy("slo_goodput", slow, {"allow_colocated": False})
+    assert pol.choose(req(1100, SloClass.TIGHT), prefill, decode, now=0.0).decode_id == "d1"
+
+
+def test_live_views_without_a_prefix_lookup_price_every_prompt_uncached(cm):
+    # live views carry no cache and live requests no hashes: the policy still decides, the same way
+    # whether the request carries hashes or not
+    prefill = make_instances(Role.PREFILL, backlog_s=[0.4, 0.05, 0.2], queued=[3, 1, 2])
+    decode = make_instances(Role.DECODE, backlog_s=[1.0, 0.2], queued=[8, 2])
+    assert all(v.prefix_lookup is None for v in (*prefill, *decode))
+    a, b = build_policy("slo_goodput", cm), build_policy("slo_goodput", cm)
+    for i in range(6):
+        with_hashes, plain = req(300 + 400 * i), req(300 + 400 * i, hashes=())
+        da, db = a.choose(with_hashes, prefill, decode, now=float(i)), b.choose(plain, prefill, decode, now=float(i))
+        assert da == db
+        assert da.prefill_id in {"p1", da.decode_id}  # the shortest prefill queue, or colocated
+        if not da.colocated:
+            assert da.prefill_cost.own_work_s == pytest.approx(cm.engine.prefill_s(300 + 400 * i))
+
+
+def test_its_own_colocated_prefills_count_as_a_queue_on_the_decode_instance(cm):
+    # two requests at once onto a fleet whose prefill pool is far behind: the second sees the
+    # first's prefill on d0 (the ledger shows its work in d0's backlog) and goes to d1
+    # (d1 runs two sequences, d0 none: on the views alone d0 stays the cheaper)
+    pol = build_policy("slo_goodput", cm)
+    prefill = make_instances(Role.PREFILL, backlog_s=[5.0], queued=[30])
+    decode = make_instances(Role.DECODE, backlog_s=[0.0, 0.5], queued=[0, 2])
+    first = pol.choose(req(1800, hashes=()), prefill, decode, now=0.0)
+    assert first.colocated and first.decode_id == "d0"
+    decode[0] = replace(decode[0], backlog_s=1.0, queued=1)
+    second = pol.choose(req(1800, hashes=()), prefill, decode, now=0.0)
+    assert (second.prefill_id, second.decode_id) == ("d1", "d1")
+
+
+def test_does_not_colocate_onto_a_decode_instance_whose_kv_is_full(cm):
+    # the prefill pool is far behind, but d0's KV is full: a colocated prefill would preempt a running
+    # sequence (it takes blocks chunk by chunk), a transferred prompt waits for blocks instead
+    prefill = make_instances(Role.PREFILL, backlog_s=[2.0], queued=[10])
+    full = make_instances(Role.DECODE, backlog_s=[1.0], queued=[5], kv_used=[10_000])
+    d = build_policy("slo_goodput", cm).choose(req(200, hashes=()), prefill, full, now=0.0)
+    assert (d.prefill_id, d.decode_id) == ("p0", "d0")
+    # with room in its KV, the same instance takes the prefill itself
+    roomy = [replace(full[0], kv_used_tokens=2_000)]
+    assert build_policy("slo_goodput", cm).choose(req(200, hashes=()), prefill, roomy, now=0.0).colocated
