@@ -158,8 +158,8 @@ class RouterSettings(_Strict):
                                      "instance already holds this many times engine.max_num_seqs requests (tight "
                                      "requests: twice that); 0 = never shed (disagg.core.admission)")
     shed_loop_lag_s: float = Field(default=0.05, ge=0, description="answer 429 + Retry-After before reading a "
-                                   "request when the router's own event loop runs this far behind (smoothed "
-                                   "over 0.5 s; tight requests: twice that); 0 = never")
+                                   "request when the router's own event loop has run this far behind for a "
+                                   "whole second (tight requests: twice that); 0 = never")
     max_body_bytes: int = Field(default=8 << 20, gt=0, description="largest request body accepted; a larger one "
                                 "is refused with 413 before it is parsed")
     num_replicas: int = Field(default=1, ge=1, description="router replicas (initial count with autoscaling); "

@@ -1,31 +1,43 @@
 """How far behind this process's event loop is: the router's own saturation signal.
 
 A timer set to fire every `interval_s` fires late by however long the loop was busy with other
-callbacks; that lateness, smoothed over about `horizon_s`, is the time a newly arrived request
-waits before the router even reads it. Engine queues cannot show this wait, so admission control
+callbacks. A saturated loop is late at every tick; a loop that merely stalled once (a slow call,
+start-up work, a busy moment of the host) is late at one tick and on time at the next. So the
+signal is the *smallest* lateness over the last `horizon_s` (and at least the last two ticks): it
+rises only when the loop has been behind for the whole horizon, which is the wait a newly arrived request then has before the
+router even reads it. Engine queues cannot show this wait, so admission control
 (`disagg.core.admission.shed_for_lag`) reads it here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
+from collections import deque
 
 
 class LoopLag:
-    def __init__(self, interval_s: float = 0.02, horizon_s: float = 0.5) -> None:
+    def __init__(self, interval_s: float = 0.02, horizon_s: float = 1.0) -> None:
         self.interval_s = interval_s
         self.horizon_s = horizon_s
-        self.lag_s = 0.0  # smoothed lateness of the timer, seconds
         self.peak_s = 0.0  # the largest single lateness seen (since start)
+        self._samples: deque[tuple[float, float]] = deque()  # (when, lateness), the last horizon_s of them
 
-    def observe(self, late_s: float, elapsed_s: float) -> None:
-        """Fold one lateness in, weighted by the time it covers (a loop that is behind samples
-        less often, and each of its samples counts for more)."""
+    @property
+    def lag_s(self) -> float:
+        """The smallest lateness of the ticks of the last `horizon_s`, and of the last two ticks in
+        any case (0 until there are two: one late tick is a stall, not a backlog)."""
+        if len(self._samples) < 2:
+            return 0.0
+        return min(late for _, late in self._samples)
+
+    def observe(self, late_s: float, now: float) -> None:
+        """One tick, `late_s` behind its schedule, seen at `now`."""
         late_s = max(0.0, late_s)
-        weight = 1.0 - math.exp(-max(elapsed_s, 0.0) / self.horizon_s)
-        self.lag_s += weight * (late_s - self.lag_s)
+        self._samples.append((now, late_s))
+        # a loop far behind ticks less often than the horizon: its last two ticks always count
+        while len(self._samples) > 2 and self._samples[0][0] < now - self.horizon_s:
+            self._samples.popleft()
         self.peak_s = max(self.peak_s, late_s)
 
     async def run(self) -> None:
@@ -33,5 +45,5 @@ class LoopLag:
         while True:
             await asyncio.sleep(self.interval_s)
             now = time.monotonic()
-            self.observe(now - expected, self.interval_s + max(0.0, now - expected))
+            self.observe(now - expected, now)
             expected = now + self.interval_s
