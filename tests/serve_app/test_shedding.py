@@ -66,15 +66,21 @@ def _request(slo: str) -> Request:
                     "headers": [(b"x-slo-class", slo.encode())]}, receive)
 
 
+async def _router(prefill: _Pool, decode: _Pool) -> Router:
+    """The real Router in-process over the stand-in pools, with the CPU profile's settings; the tests poll."""
+    args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
+    args["router"]["request_log"] = None
+    cls = Router.__mro__[1]
+    r = cls.__new__(cls)
+    await r.__init__(prefill, decode, args)
+    r.stop_background()
+    return r
+
+
 def test_overload_is_refused_fast_loose_first_and_served_again_after_the_drain():
     async def scenario():
         prefill, decode = _Pool("prefill", ["p0"]), _Pool("decode", ["d0", "d1"])
-        args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
-        args["router"]["request_log"] = None
-        cls = Router.__mro__[1]
-        r = cls.__new__(cls)
-        await r.__init__(prefill, decode, args)
-        r.stop_background()
+        r = await _router(prefill, decode)
         tokenized = []
         for m in r.served.values():  # count tokenizations: a shed request must not reach the tokenizer
             encode = m.tokenizer.encode
@@ -109,12 +115,7 @@ def test_overload_is_refused_fast_loose_first_and_served_again_after_the_drain()
 def test_a_router_whose_loop_is_behind_refuses_before_reading_the_body_loose_first():
     async def scenario():
         prefill, decode = _Pool("prefill", ["p0"]), _Pool("decode", ["d0", "d1"])
-        args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
-        args["router"]["request_log"] = None
-        cls = Router.__mro__[1]
-        r = cls.__new__(cls)
-        await r.__init__(prefill, decode, args)
-        r.stop_background()
+        r = await _router(prefill, decode)
         await r.poll_once()
         bound = r.loop_lag_bound_s
         out = []
