@@ -93,11 +93,15 @@ class Flight:
     decode_engine_first_s: float | None = None
     stream: Any = None  # the decode's response stream
     first_chunk: DecodeChunk | None = None  # received before answering, relayed first
-    generated: int = 0  # output tokens relayed so far
-    output_ids: list[int] = field(default_factory=list)  # ... and their ids (a migration prefills them)
+    output_ids: list[int] = field(default_factory=list)  # output tokens relayed so far (a migration prefills them)
     migrated_from: list[str] = field(default_factory=list)  # decode instances that failed mid-stream
     finish_reason: str | None = None
     finished: bool = False
+
+    @property
+    def generated(self) -> int:
+        """Output tokens relayed so far."""
+        return len(self.output_ids)
 
     def route_header(self) -> str:
         """The `x-disagg-route` header: the choice and decision with their costs, and who served."""
@@ -209,10 +213,10 @@ class Dispatcher:
         the one serving the request, else the one chosen for it, else any other."""
         m = f.model
         pool = [i.instance_id for i in self.registry.pool(m, m.decode_role)]
-        inst = next((self.registry.get(i) for i in (f.actual_decode, f.decision.decode_id, *pool)
-                     if i is not None and self.registry.get(i) is not None), None)
-        if inst is None:
+        live = [inst for i in (f.actual_decode, f.decision.decode_id, *pool) if (inst := self.registry.get(i))]
+        if not live:
             return
+        inst = live[0]
         handle = f.model.handles[f.model.decode_role]
 
         async def release() -> None:
@@ -477,7 +481,6 @@ class Dispatcher:
         try:
             chunk = f.first_chunk
             while chunk is not None:
-                f.generated += len(chunk.token_ids)
                 f.output_ids.extend(chunk.token_ids)
                 if chunk.finish_reason:
                     f.finish_reason = chunk.finish_reason
