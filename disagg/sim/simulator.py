@@ -73,7 +73,7 @@ from disagg.core.policies import Policy
 from disagg.core.predictor import BucketMeanPredictor, OutputLengthPredictor
 from disagg.core.types import PREFIX_BLOCK_TOKENS, InstanceView, NoCapacity, RequestFeatures, Role, SloClass
 from disagg.sim.metrics import RequestRecord
-from disagg.sim.prefix_cache import PrefixCache
+from disagg.core.prefix_cache import PrefixCache
 from disagg.sim.traces import TraceRequest
 
 # event priorities at equal times: finish work before admitting more

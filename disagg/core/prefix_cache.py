@@ -1,4 +1,4 @@
-"""One simulated engine instance's prefix cache: an LRU set of prompt-block hashes.
+"""One engine instance's prefix cache as a model: an LRU set of prompt-block hashes.
 
 Blocks are `PREFIX_BLOCK_TOKENS` (512) tokens, the Mooncake traces' `hash_ids` convention, and a
 block's hash names the whole prefix up to its end, so "the first k blocks are cached" is the

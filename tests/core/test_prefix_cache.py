@@ -1,10 +1,10 @@
-"""The simulated engines' prefix cache (disagg.sim.prefix_cache): an LRU set of block hashes."""
+"""The prefix cache model (disagg.core.prefix_cache): an LRU set of block hashes, used by the simulated engines and the live router."""
 
 from __future__ import annotations
 
 import pytest
 
-from disagg.sim.prefix_cache import PrefixCache
+from disagg.core.prefix_cache import PrefixCache
 
 
 def test_evicts_the_least_recently_used_block():
