@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
-    from disagg.cli import UsageError, resolve_trace
+    from disagg.user_input import UsageError, resolve_trace
 
     try:
         traces = tuple(str(resolve_trace(t)) for t in args.trace)

@@ -29,12 +29,13 @@ import sys
 import time
 from pathlib import Path
 
-from disagg.cli import UsageError, json_safe, resolve_trace, write_json_atomic
 from disagg.core.cost_model import load_profile
+from disagg.files import json_safe, write_json_atomic
 from disagg.sim.runner import find_saturation, prepare_trace, simulate
 from disagg.sim.simulator import Simulator, Topology
 from disagg.sim.traces import read_trace
 from disagg.sim.workloads import generate
+from disagg.user_input import UsageError, resolve_trace
 
 GENERATED = ("mixed_bursty", "short_chat")
 REAL = ("azure_conv_2023", "azure_code_2023")

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import aiohttp
 
+from disagg.sim.metrics import percentile
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-qwen2"
 
@@ -44,10 +46,7 @@ def log(msg: str) -> None:
 
 
 def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+    return percentile(xs, q) if xs else None  # None, not NaN: the summary is printed as JSON
 
 
 SEND_LATE_S: list[float] = []  # per request sent open-loop: seconds behind its scheduled time

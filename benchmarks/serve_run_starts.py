@@ -31,6 +31,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from disagg.bench.sse import DONE, SseDecoder
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE = "http://127.0.0.1:8000"
 MODEL = "tiny-qwen2"
@@ -77,8 +79,7 @@ def request(i: int) -> tuple[bool, str]:
     if status != 200:
         return False, f"HTTP {status}: {raw[:200]!r}"
     if stream:
-        events = [json.loads(line[6:]) for line in raw.decode().splitlines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        events = [json.loads(data) for data in SseDecoder().feed(raw) if data != DONE]
         usage = next((e["usage"] for e in events if e.get("usage")), None)
         if any("error" in e for e in events):
             return False, f"stream error: {events}"

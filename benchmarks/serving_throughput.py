@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import platform
 import statistics
@@ -66,6 +65,9 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from disagg.bench.sse import DONE, SseDecoder
+from disagg.sim.metrics import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-qwen2"
@@ -88,16 +90,6 @@ WORDS = ("model token request prefill decode cache memory engine router latency 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def prompts_for_round(round_tag: str, n: int) -> list[str]:
@@ -146,11 +138,12 @@ async def http_stream(client, system: str, path: str, prompt: str, tokens: int) 
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")[:300]
                 return Result(system, None, None, 0, t0, time.perf_counter(), f"HTTP {r.status_code}: {text}")
+            sse = SseDecoder()
             async for line in r.aiter_lines():
-                if not line.startswith("data: "):
+                data = sse.line(line)
+                if data is None:
                     continue
-                data = line[6:]
-                if data.strip() == "[DONE]":
+                if data == DONE:
                     break
                 obj = json.loads(data)
                 if "error" in obj and not obj.get("choices"):

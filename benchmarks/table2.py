@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from disagg.bench.harness import BenchConfig, BenchError, GateFailed, run_bench
-    from disagg.cli import UsageError, parse_policies, resolve_trace
+    from disagg.user_input import UsageError, parse_policies, resolve_trace
     from disagg.core.cost_model import load_profile
     from serve_app.launch import LocalStack, ray_running
     from serve_app.tiny_model import build_tiny_model

@@ -32,6 +32,7 @@ from disagg.core.cost_model import EngineConstants, load_profile
 from disagg.core.engine_model import EngineModel, Job
 from disagg.core.types import SloClass
 from disagg.core.ttft_estimator import InstanceSnapshot, QueuedRequest, RunningRequest, estimate_ttft, snapshot_of
+from disagg.sim.metrics import percentile
 
 
 REACHED_RATE = {8: 1.8, 32: 5.4, 64: 7.0}  # arrivals/s that keep about N in flight on a40
@@ -100,10 +101,10 @@ def measure(c: EngineConstants, in_flight: int, calls: int, kind: str, horizon_s
         ns.append(best)
         steps.append(est.steps)
     ns = ns[calls // 10:]  # drop warm-up
-    q = statistics.quantiles(ns, n=100)
     return {"in_flight": in_flight, "snapshots": kind, "distinct": len(snaps), "horizon_s": horizon_s,
             "mean_in_flight": statistics.fmean(s.in_flight for s in snaps),
-            "p50_us": q[49] / 1e3, "p99_us": q[98] / 1e3, "mean_events": statistics.fmean(steps),
+            "p50_us": percentile(ns, 50) / 1e3, "p99_us": percentile(ns, 99) / 1e3,
+            "mean_events": statistics.fmean(steps),
             "max_events": max(steps)}
 
 

@@ -12,8 +12,10 @@ so a lone 100-token prefill takes 0.01 + 0.1 = 0.11 s and one decode token at co
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import json
+from typing import Any, Iterable, Sequence
 
+from disagg.bench.sse import DONE
 from disagg.core.cost_model import CostModel
 from disagg.core.types import InstanceView, RequestFeatures, Role, SloClass
 
@@ -115,6 +117,21 @@ def make_request(
 
 
 # --- stand-in engine pools for the router run in-process (tests/serve_app) -------------------------------
+
+def stream_text(events: Iterable[str]) -> tuple[str, list[str]]:
+    """A streamed completion's text and its error events' messages, from its events' data (as
+    `disagg.bench.sse` gives them); [DONE] and events without a choice (usage) add no text."""
+    text, errors = "", []
+    for data in events:
+        if data == DONE:
+            continue
+        event = json.loads(data)
+        if "error" in event:
+            errors.append(event["error"]["message"])
+        elif event.get("choices"):
+            text += event["choices"][0]["text"]
+    return text, errors
+
 
 class BroadcastResults:
     """What a pool handle's `broadcast(...)` returns: the replies, fetched with `results_async`."""

@@ -25,13 +25,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from disagg.core.types import NoCapacity
+from disagg.files import atomic_write
 
 # --- cost ----------------------------------------------------------------------------------------
 
@@ -228,17 +227,9 @@ class AccuracyTable:
         return table
 
     def save(self, path: str | Path) -> None:
-        """Write atomically (a temporary file, then a rename): a reader never sees half a table."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        """Write atomically (`disagg.files.atomic_write`): a reader never sees half a table."""
+        with atomic_write(path) as f:
+            json.dump(self.to_dict(), f, indent=1)
 
     @classmethod
     def load(cls, path: str | Path) -> "AccuracyTable":

@@ -6,10 +6,10 @@ from a pinned commit, checked for their header, and written atomically.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import urllib.request
 from pathlib import Path
+
+from disagg.files import atomic_write
 
 _COMMIT = "7909210"
 _BASE = f"https://raw.githubusercontent.com/Azure/AzurePublicDataset/{_COMMIT}/data"
@@ -36,9 +36,7 @@ def download_traces(dest: Path, names: list[str] | None = None, timeout_s: float
             body = resp.read()
         if not body.startswith(_HEADER):
             raise ValueError(f"{TRACES[name]}: unexpected content (no Azure trace header)")
-        fd, tmp = tempfile.mkstemp(dir=dest, prefix=f".{name}.")
-        with os.fdopen(fd, "wb") as f:
+        with atomic_write(target, "wb") as f:
             f.write(body)
-        os.replace(tmp, target)
         written.append(target)
     return written

@@ -46,7 +46,8 @@ from typing import Sequence
 
 from disagg.core.cost_model import CostModel, load_profile
 from disagg.core.latency_routing import ModelInstance
-from disagg.core.utility import AccuracyTable, ModelPrices, cost_estimate
+from disagg.core.utility import AccuracyTable, EvaluationError, ModelPrices, cost_estimate
+from disagg.files import SHARED, atomic_write, json_safe, write_json_atomic, write_text_atomic
 from disagg.sim.latency_sim import (
     ROUTERS,
     FleetResult,
@@ -60,7 +61,8 @@ from disagg.sim.latency_sim import (
 )
 from disagg.sim.synthetic_accuracy import synthetic_evaluations, true_accuracy
 from disagg.sim.metrics import percentile
-from disagg.sim.traces import TraceRequest, assign_slo_classes, rescale_to_rate
+from disagg.sim.traces import TraceRequest, assign_slo_classes, read_trace, rescale_to_rate
+from disagg.user_input import UsageError, resolve_trace
 
 PRICES = {"small": ModelPrices(0.10e-6, 0.30e-6), "large": ModelPrices(0.30e-6, 0.90e-6)}
 DEFAULT_LAMBDAS = "0,250,500,750,1000,1500,3000"
@@ -273,18 +275,12 @@ def plot(result: dict, path: Path) -> None:
                  f"({len(result['fleet'])} instances), {result['rate']:g} req/s, "
                  f"medians of {len(result['seeds'])} seed(s); accuracy is synthetic", fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_write(path, "wb", permissions=SHARED) as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(path)
 
 
 def main(args) -> int:
-    from disagg.cli import UsageError, json_safe, resolve_trace, write_json_atomic
-    from disagg.core.utility import EvaluationError
-    from disagg.sim.traces import read_trace
-
     try:
         lambdas = [float(x) for x in args.lambdas.split(",") if x.strip()]
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds else [args.seed]
@@ -329,14 +325,7 @@ def main(args) -> int:
     if args.out:
         out = Path(args.out)
         write_json_atomic(out / "results.json", json_safe(result))
-        _write_text(out / "results.md", md + "\n")
+        write_text_atomic(out / "results.md", md + "\n", permissions=SHARED)
         plot(result, out / "utility_attainment.png")
         print(f"\nwrote {out}/results.json, results.md, utility_attainment.png")
     return 0
-
-
-def _write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

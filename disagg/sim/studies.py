@@ -18,10 +18,12 @@ import argparse
 from pathlib import Path
 
 from disagg.core.cost_model import CostModel, load_profile
+from disagg.files import json_safe, write_json_atomic
 from disagg.sim import latency_study
 from disagg.sim.runner import compare, find_saturation
 from disagg.sim.simulator import Topology
 from disagg.sim.traces import read_trace
+from disagg.user_input import UsageError, resolve_trace
 
 STUDIES = ("width", "noise", "miscalibration", "sizing", "latency-routing")
 BASELINES = ["round_robin", "least_loaded", "length_heuristic", "marginal_cost"]
@@ -51,8 +53,6 @@ def scaled_decode(cm: CostModel, factor: float) -> CostModel:
 
 
 def main(args) -> int:
-    from disagg.cli import UsageError, resolve_trace, json_safe, write_json_atomic
-
     if args.name == "latency-routing":
         return latency_study.main(args)
     cm = load_profile(args.cost_model)

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import random
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
 from disagg.core.utility import EVALUATION_COLUMNS, EvaluationRow
+from disagg.files import atomic_write
 
 # model → (accuracy at 64 prompt tokens, loss per doubling of the prompt)
 TRUE_ACCURACY: dict[str, tuple[float, float]] = {"small": (0.80, 0.050), "large": (0.88, 0.020)}
@@ -58,16 +57,8 @@ def synthetic_evaluations(rows_per_model: int, seed: int, models: Sequence[str] 
 
 def write_evaluations(path: str | Path, rows: Sequence[EvaluationRow]) -> None:
     """Write rows as the evaluations CSV `read_evaluations` reads, atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(EVALUATION_COLUMNS)
-            for r in rows:
-                w.writerow((r.prompt_tokens, r.model, f"{r.score:g}"))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path, newline="") as f:
+        w = csv.writer(f)
+        w.writerow(EVALUATION_COLUMNS)
+        for r in rows:
+            w.writerow((r.prompt_tokens, r.model, f"{r.score:g}"))

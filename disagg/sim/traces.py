@@ -53,7 +53,6 @@ import math
 import os
 import random
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import date
@@ -63,6 +62,7 @@ from typing import IO, Any
 import numpy as np
 
 from disagg.core.types import SloClass
+from disagg.files import atomic_write
 
 __all__ = [
     "KNOWN_FORMATS",
@@ -413,26 +413,15 @@ def write_native(path: str | os.PathLike[str], requests: Sequence[TraceRequest])
     p = Path(path)
     with_hashes = any(r.prefix_hashes for r in requests)
     header = _NATIVE_HEADER + (("prefix_hashes",) if with_hashes else ())
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            writer = csv.writer(f, lineterminator="\n")
-            writer.writerow(header)
-            for r in requests:
-                row: list[Any] = [repr(float(r.arrival_s)), r.prompt_tokens, r.output_tokens,
-                                  r.slo_class.value if r.slo_class is not None else ""]
-                if with_hashes:
-                    row.append(" ".join(str(h) for h in r.prefix_hashes))
-                writer.writerow(row)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    with atomic_write(p, encoding="utf-8", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(header)
+        for r in requests:
+            row: list[Any] = [repr(float(r.arrival_s)), r.prompt_tokens, r.output_tokens,
+                              r.slo_class.value if r.slo_class is not None else ""]
+            if with_hashes:
+                row.append(" ".join(str(h) for h in r.prefix_hashes))
+            writer.writerow(row)
 
 
 # ----------------------------------------------------------------------------------------------

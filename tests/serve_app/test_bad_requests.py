@@ -26,6 +26,7 @@ pytest.importorskip("ray.serve")
 from ray.exceptions import RayTaskError  # noqa: E402
 from starlette.requests import Request  # noqa: E402
 
+from disagg.bench.sse import DONE, SseDecoder  # noqa: E402
 from serve_app.messages import DecodeChunk, InvalidRequest, TokenLogprob  # noqa: E402
 from factories import StandInPool  # noqa: E402
 from serve_app.router import Router, fastapi_app  # noqa: E402
@@ -456,6 +457,12 @@ def test_every_sampling_field_reaches_the_engine_and_no_ops_do_not():
     assert set(plain.sampling(100)) == {"max_tokens", "temperature", "top_p", "ignore_eos"}  # nothing extra asked
 
 
+def _json_events(chunks) -> list[dict]:
+    """The JSON events of a streamed response's body chunks (bytes or str), [DONE] left out."""
+    sse = SseDecoder()
+    return [json.loads(data) for chunk in chunks for data in sse.feed(chunk) if data != DONE]
+
+
 def test_logprobs_come_back_in_the_openai_shapes_streamed_or_not():
     async def run():
         r = await _router(_Pool("prefill", ["p1"]), _Pool("decode", ["d1"]))
@@ -475,13 +482,11 @@ def test_logprobs_come_back_in_the_openai_shapes_streamed_or_not():
     assert [c["token"] for c in content] == ["b", "a", "b"] and content[0]["bytes"] == [98]
     assert content[0]["top_logprobs"][2] == {"token": "c", "logprob": -9999.0, "bytes": [99]}  # -inf, as vLLM
     assert nbody["choices"][0]["logprobs"] is None
-    events = [json.loads(line[6:]) for chunk in sc for line in
-              (chunk.decode() if isinstance(chunk, bytes) else chunk).split("\n\n") if line.startswith("data: {")]
+    events = _json_events(sc)
     streamed = [e["choices"][0]["logprobs"] for e in events if e["choices"]]
     assert [s["tokens"][0] for s in streamed] == ["b", "a", "b"] and [s["text_offset"][0] for s in streamed] == [0, 1, 2]
     assert all(s["top_logprobs"] == [{"a": -0.25}] for s in streamed)
-    events = [json.loads(line[6:]) for chunk in sch for line in
-              (chunk.decode() if isinstance(chunk, bytes) else chunk).split("\n\n") if line.startswith("data: {")]
+    events = _json_events(sch)
     assert [e["choices"][0]["logprobs"]["content"][0]["top_logprobs"] for e in events if e["choices"]] == [[]] * 3
 
 

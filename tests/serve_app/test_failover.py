@@ -28,10 +28,11 @@ pytest.importorskip("ray.serve")
 
 from starlette.requests import Request  # noqa: E402
 
+from disagg.bench.sse import SseDecoder  # noqa: E402
 from serve_app.dispatcher import continuation_sampling  # noqa: E402
 from serve_app.messages import DecodeChunk  # noqa: E402
 from serve_app.router import Router  # noqa: E402
-from factories import StandInPool  # noqa: E402
+from factories import StandInPool, stream_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 12
@@ -112,17 +113,9 @@ async def _text(resp, stream: bool) -> tuple[int, str, str | None]:
     if not stream:
         body = json.loads(resp.body)
         return resp.status_code, body.get("choices", [{}])[0].get("text", ""), body.get("error", {}).get("message")
-    text, error = "", None
-    async for raw in resp.body_iterator:
-        data = raw.decode().removeprefix("data: ").strip()
-        if data == "[DONE]":
-            break
-        event = json.loads(data)
-        if "error" in event:
-            error = event["error"]["message"]
-        else:
-            text += event["choices"][0]["text"]
-    return resp.status_code, text, error
+    sse = SseDecoder()
+    text, errors = stream_text([data async for raw in resp.body_iterator for data in sse.feed(raw)])
+    return resp.status_code, text, errors[-1] if errors else None
 
 
 def _run(decode: _Decoders, stream: bool, **kw):

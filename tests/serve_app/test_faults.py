@@ -21,6 +21,8 @@ import httpx
 import psutil
 import pytest
 
+from disagg.bench.sse import DONE, SseDecoder, sse_data
+from factories import stream_text
 from serve_app.launch import ENGINE_PROCESS_MARKERS
 from unprovoked import killed_on_purpose, provoked
 
@@ -87,20 +89,6 @@ def wait_until_idle(client, timeout_s: float = 60) -> dict:
     raise AssertionError(f"the stack did not go idle within {timeout_s} s: {s}")
 
 
-def sse_text(lines) -> tuple[str, list[str]]:
-    """A streamed completion's text and any error events."""
-    text, errors = "", []
-    for line in lines:
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        event = json.loads(line[6:])
-        if "error" in event:
-            errors.append(event["error"]["message"])
-        elif event.get("choices"):
-            text += event["choices"][0]["text"]
-    return text, errors
-
-
 def test_a_decode_engine_killed_mid_stream_is_migrated_and_the_greedy_answer_is_unchanged(client, stack):
     body = {"model": MODEL, "prompt": "A decode engine dies mid-answer; the router carries on:", "max_tokens": 400,
             "ignore_eos": True, "temperature": 0.0}
@@ -113,13 +101,13 @@ def test_a_decode_engine_killed_mid_stream_is_migrated_and_the_greedy_answer_is_
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
         served = route(r.headers)["served_decode"]
-        lines, killed = [], set()
-        for line in r.iter_lines():
-            lines.append(line)
-            if not killed and sum(x.startswith("data: {") for x in lines) >= 3:  # mid-stream
+        events, killed = [], set()
+        for data in sse_data(r.iter_lines()):
+            events.append(data)
+            if not killed and len(events) >= 3:  # mid-stream
                 killed = kill_engine_core(before["instances"][served])
-    text, errors = sse_text(lines)
-    rid = json.loads(next(x for x in lines if x.startswith("data: {"))[6:])["id"]
+    text, errors = stream_text(events)
+    rid = json.loads(events[0])["id"]
     assert killed, "the stream ended before the engine could be killed"
     assert errors == []
     assert text == reference.json()["choices"][0]["text"]  # the whole answer, as if nothing had died
@@ -164,7 +152,7 @@ def test_a_client_leaving_before_its_first_token_frees_the_kv_on_both_engines_wi
         lines = r.iter_lines()
         next(lines)
         ttft_s = time.monotonic() - t0  # the scale of the window to hit
-        usage = [json.loads(x[6:]) for x in lines if x.startswith("data: {")][-1]["usage"]
+        usage = json.loads([data for data in sse_data(lines) if data != DONE][-1])["usage"]
     prompt_tokens = usage["prompt_tokens"]
     before = wait_until_idle(client)
     log = stack.run_dir / "runs" / "requests.jsonl"
@@ -262,13 +250,16 @@ def test_a_router_replica_killed_mid_stream_ends_its_streams_and_comes_back_with
             with c.stream("POST", "/v1/completions", json=body) as r:
                 router = r.headers["x-disagg-router"]
                 dying = state(client)["routers"][router]
-                n = 0
+                n, sse = 0, SseDecoder()
                 for line in r.iter_lines():
-                    n += line.startswith("data: {")
+                    data = sse.line(line)
+                    if data is None:
+                        continue
+                    n += data != DONE
                     if n == 3:
                         os.kill(dying["pid"], signal.SIGKILL)
-                    if '"error"' in line or line == "data: [DONE]":
-                        ended = "with an error event" if '"error"' in line else "completed"
+                    if '"error"' in data or data == DONE:
+                        ended = "with an error event" if '"error"' in data else "completed"
                         break
     except httpx.HTTPError as e:  # the connection was cut
         ended = f"cut ({type(e).__name__})"
