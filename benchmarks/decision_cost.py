@@ -1,23 +1,28 @@
 """Decision cost of each routing policy: µs per `choose` call, p50 and p99.
 
-Usage: python benchmarks/decision_cost.py [--candidates 6 64] [--calls 20000] [--json OUT]
+Usage: python benchmarks/decision_cost.py [--candidates 6 64] [--calls 20000] [--policies NAME ...]
+                                          [--gc on|freeze|off] [--json OUT]
 
 Candidates are split a third prefill, two thirds decode (6 → 2P4D, 64 → 21P43D), with random
 backlog, queue and KV states (seeded). Each call is timed alone with perf_counter_ns; the figure
 includes building nothing but the call itself, as the live router and the simulator make it.
+`--gc freeze` moves everything alive after setup out of the collector's reach (`gc.freeze()`, as a
+live router could after start-up); `--gc off` disables it: both tell how much of the tail is
+collection pauses (measured: little; the tail is mostly the other processes on the cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
-import statistics
 import time
 
 from disagg.core.cost_model import load_profile
 from disagg.core.policies import build_policy, known_policies
 from disagg.core.types import InstanceView, RequestFeatures, Role, SloClass
+from disagg.sim.metrics import percentile
 
 
 def make_pool(n: int, role: Role, rng: random.Random, cap: int) -> list[InstanceView]:
@@ -25,7 +30,7 @@ def make_pool(n: int, role: Role, rng: random.Random, cap: int) -> list[Instance
             for i in range(n)]
 
 
-def measure(policy_name: str, candidates: int, calls: int, seed: int = 0) -> dict:
+def measure(policy_name: str, candidates: int, calls: int, seed: int = 0, gc_mode: str = "on") -> dict:
     cm = load_profile("a40")
     rng = random.Random(seed)
     n_p = max(1, candidates // 3)
@@ -37,24 +42,35 @@ def measure(policy_name: str, candidates: int, calls: int, seed: int = 0) -> dic
     policy = build_policy(policy_name, cm)
     ns = []
     clock = time.perf_counter_ns
-    for i in range(calls):
-        p, d = states[i % 64]
-        r = reqs[i % 256]
-        t0 = clock()
-        policy.choose(r, p, d, 0.0)
-        ns.append(clock() - t0)
+    if gc_mode == "freeze":
+        gc.freeze()
+    elif gc_mode == "off":
+        gc.disable()
+    try:
+        for i in range(calls):
+            p, d = states[i % 64]
+            r = reqs[i % 256]
+            t0 = clock()
+            policy.choose(r, p, d, 0.0)
+            ns.append(clock() - t0)
+    finally:
+        gc.enable()
+        gc.unfreeze()
     ns = ns[calls // 10:]  # drop warm-up
-    q = statistics.quantiles(ns, n=100)
-    return {"policy": policy_name, "candidates": candidates, "p50_us": q[49] / 1e3, "p99_us": q[98] / 1e3}
+    return {"policy": policy_name, "candidates": candidates, "gc": gc_mode, "p50_us": percentile(ns, 50) / 1e3,
+            "p99_us": percentile(ns, 99) / 1e3}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--candidates", type=int, nargs="+", default=[6, 64])
     ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--policies", nargs="+", choices=known_policies(), default=known_policies())
+    ap.add_argument("--gc", choices=("on", "freeze", "off"), default="on",
+                    help="the garbage collector while timing: as is, frozen after setup, or disabled")
     ap.add_argument("--json")
     args = ap.parse_args()
-    rows = [measure(p, c, args.calls) for c in args.candidates for p in known_policies()]
+    rows = [measure(p, c, args.calls, gc_mode=args.gc) for c in args.candidates for p in args.policies]
     print("| policy | candidates | p50 µs | p99 µs |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['policy']} | {r['candidates']} | {r['p50_us']:.1f} | {r['p99_us']:.1f} |")

@@ -4,7 +4,9 @@ Usage: python benchmarks/sim_speed.py --trace PATH [--policy marginal_cost] [--r
 
 Each measurement runs in a fresh subprocess, so its peak RSS (ru_maxrss) is its own. The 10× trace is
 the trace laid end to end ten times (arrivals shifted by the span), so memory growth with trace length
-can be read directly: linear or better means ratio ≤ 10.
+can be read directly: linear or better means ratio ≤ 10. Beside the wall-clock rate the JSON gives the
+rate per CPU second of the process (`requests_per_cpu_s`): on cores shared with other work the wall
+clock counts their time too, the CPU time does not.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ span = base[-1].arrival_s + 1.0
 trace = [replace(r, arrival_s=r.arrival_s + k * span) for k in range(copies) for r in base]
 summary, res = simulate(trace, load_profile("a40"), Topology(2, 4), policy)
 print(json.dumps({"requests": len(trace), "wall_s": res.sim_wall_s,
-                  "requests_per_s": len(trace) / res.sim_wall_s,
+                  "requests_per_s": len(trace) / res.sim_wall_s, "requests_per_cpu_s": len(trace) / res.sim_cpu_s,
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "goodput": summary["goodput"]}))
 """
@@ -51,11 +53,14 @@ def main() -> None:
     one = [run(args.trace, args.policy, args.rate, 1) for _ in range(args.repeats)]
     ten = run(args.trace, args.policy, args.rate, 10)
     speeds = [r["requests_per_s"] for r in one]
+    cpu_speeds = [r["requests_per_cpu_s"] for r in one]
     result = {
         "policy": args.policy, "rate": args.rate or "trace",
         "requests_1x": one[0]["requests"],
         "requests_per_s_median": statistics.median(speeds),
         "requests_per_s_min": min(speeds), "requests_per_s_max": max(speeds),
+        "requests_per_cpu_s_median": statistics.median(cpu_speeds),
+        "requests_per_cpu_s_min": min(cpu_speeds), "requests_per_cpu_s_max": max(cpu_speeds),
         "peak_rss_mib_1x": statistics.median(r["peak_rss_mib"] for r in one),
         "requests_10x": ten["requests"], "requests_per_s_10x": ten["requests_per_s"],
         "peak_rss_mib_10x": ten["peak_rss_mib"],

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagg.core.cost_model import CostModel
-from disagg.core.types import InstanceView, Role
+from disagg.core.types import InstanceView, PrefixLookup, Role
 
 
 @dataclass(slots=True)
@@ -38,6 +38,10 @@ class _Totals:
     backlog_s: float = 0.0
     queued: int = 0
     kv_since_poll: int = 0  # prompt tokens admitted after the last poll
+    # the last view made of these totals and the poll it merged: every change of the totals drops it,
+    # so while neither changes `view` hands out the same (frozen) view instead of building another
+    view: InstanceView | None = None
+    view_poll: PolledState | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +92,13 @@ class Ledger:
         p.backlog_s += prefill_work_s
         p.queued += 1
         p.kv_since_poll += prompt_tokens
-        if decode_id != prefill_id:
-            d = self._t(decode_id)
+        p.view = None
+        d = self._t(decode_id)
+        if d is not p:
             d.queued += 1
             d.kv_since_poll += prompt_tokens
-        self._t(decode_id).backlog_s += decode_work_s
+            d.view = None
+        d.backlog_s += decode_work_s
 
     def prefill_done(self, request_id: str) -> None:
         """The prefill ended and its KV left the prefill instance (idempotent)."""
@@ -104,6 +110,7 @@ class Ledger:
         p.backlog_s = max(0.0, p.backlog_s - e.prefill_work_s)
         if e.prefill_id != e.decode_id:
             p.queued -= 1
+        p.view = None
 
     def finish(self, request_id: str) -> None:
         """The request left the system, served or failed (idempotent)."""
@@ -114,6 +121,7 @@ class Ledger:
         d = self._t(e.decode_id)
         d.backlog_s = max(0.0, d.backlog_s - e.decode_work_s)
         d.queued -= 1
+        d.view = None
 
     def forget_instance(self, instance_id: str) -> list[str]:
         """An instance went away: drop its totals and return the requests that depended on it
@@ -128,8 +136,9 @@ class Ledger:
     def polled(self, instance_id: str) -> None:
         """A fresh poll of this instance arrived: it now sees everything admitted so far."""
         t = self._totals.get(instance_id)
-        if t is not None:
+        if t is not None and t.kv_since_poll:
             t.kv_since_poll = 0
+            t.view = None
 
     def backlog_s(self, instance_id: str) -> float:
         t = self._totals.get(instance_id)
@@ -139,16 +148,21 @@ class Ledger:
         t = self._totals.get(instance_id)
         return t.queued if t else 0
 
-    def view(self, instance_id: str, role: Role, polled: PolledState) -> InstanceView:
-        t = self._totals.get(instance_id) or _Totals()
-        return InstanceView(
-            instance_id=instance_id,
-            role=role,
-            backlog_s=t.backlog_s + polled.others_backlog_s,
-            queued=t.queued + polled.others_queued,
-            kv_used_tokens=polled.kv_used_tokens + t.kv_since_poll,
-            kv_capacity_tokens=polled.kv_capacity_tokens,
-        )
+    def view(self, instance_id: str, role: Role, polled: PolledState,
+             prefix_lookup: PrefixLookup | None = None) -> InstanceView:
+        t = self._totals.get(instance_id) or self._t(instance_id)
+        v = t.view
+        if v is not None and t.view_poll is polled and v.role is role and v.prefix_lookup is prefix_lookup:
+            return v
+        t.view, t.view_poll = InstanceView(
+            instance_id, role,
+            t.backlog_s + polled.others_backlog_s,  # backlog_s
+            t.queued + polled.others_queued,  # queued
+            polled.kv_used_tokens + t.kv_since_poll,  # kv_used_tokens
+            polled.kv_capacity_tokens,
+            prefix_lookup,
+        ), polled
+        return t.view
 
 
 def admission_work(cm: CostModel, prefill_id: str, decode_id: str, prompt_tokens: int,

@@ -45,9 +45,9 @@ from typing import Annotated, Any, Callable, ClassVar, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from disagg.core.cost_model import CostModel
+from disagg.core.cost_model import CostModel, EngineConstants, TransferConstants
 from disagg.core.types import (
-    PREFIX_BLOCK_TOKENS, CostTerms, Decision, InstanceView, NoCapacity, RequestFeatures, SloClass,
+    CostTerms, Decision, InstanceView, NoCapacity, RequestFeatures, SloClass,
 )
 
 _REGISTRY: dict[str, type["Policy"]] = {}
@@ -146,7 +146,8 @@ def _fits(view: InstanceView, prompt_tokens: int) -> bool:
 def _feasible(pool: Sequence[InstanceView], req: RequestFeatures, pool_name: str) -> list[InstanceView]:
     if not pool:
         raise NoCapacity(f"the {pool_name} pool is empty")
-    ok = [v for v in pool if _fits(v, req.prompt_tokens)]
+    need = req.prompt_tokens + 1
+    ok = [v for v in pool if need <= v.kv_capacity_tokens]  # `_fits`, inline: every decision filters every pool
     if not ok:
         biggest = max(v.kv_capacity_tokens for v in pool)
         raise NoCapacity(
@@ -524,19 +525,29 @@ class MarginalCost(Policy):
                         self.prefill_terms(p_best, req, sigma), self.decode_terms(d_best, req, sigma, out))
 
     # The hot loops price with plain floats (same formula as *_terms, which explain the winner):
-    # building a CostTerms per candidate would triple the decision cost.
+    # building a CostTerms per candidate would triple the decision cost. Without per-instance
+    # constants, the prefill time is one number and τ_dec one function for the whole pool.
     def _argmin_prefill(self, pool, req, sigma):
         prm, cm, p = self.params, self.cost_model, req.prompt_tokens
         wb, ws, wq, rho = prm.w_backlog * sigma, prm.w_service * sigma, prm.w_queue_s, prm.rho
-        totals = [wb * v.backlog_s + ws * cm.for_instance(v.instance_id).prefill_s(p)
-                  * (1.0 + rho * ((v.kv_used_tokens + p) / v.kv_capacity_tokens)) + wq * v.queued for v in pool]
+        if cm.instances:
+            works = [cm.for_instance(v.instance_id).prefill_s(p) for v in pool]
+        else:
+            works = [cm.engine.prefill_s(p)] * len(pool)
+        totals = [wb * v.backlog_s + ws * work * (1.0 + rho * ((v.kv_used_tokens + p) / v.kv_capacity_tokens))
+                  + wq * v.queued for v, work in zip(pool, works)]
         return self._tie.pick(pool, totals)
 
     def _argmin_decode(self, pool, req, sigma, out):
         prm, cm, extra = self.params, self.cost_model, req.prompt_tokens + out
         wb, ws, wq, rho = prm.w_backlog * sigma, prm.w_service * sigma * out, prm.w_queue_s, prm.rho
-        totals = [wb * v.backlog_s + ws * cm.for_instance(v.instance_id).decode_token_s(v.queued + 1)
-                  * (1.0 + rho * ((v.kv_used_tokens + extra) / v.kv_capacity_tokens)) + wq * v.queued for v in pool]
+        if cm.instances:
+            taus = [cm.for_instance(v.instance_id).decode_token_s(v.queued + 1) for v in pool]
+        else:
+            tau = cm.engine.decode_token_s
+            taus = [tau(v.queued + 1) for v in pool]
+        totals = [wb * v.backlog_s + ws * tau_dec * (1.0 + rho * ((v.kv_used_tokens + extra) / v.kv_capacity_tokens))
+                  + wq * v.queued for v, tau_dec in zip(pool, taus)]
         return self._tie.pick(pool, totals)
 
 
@@ -597,46 +608,107 @@ class PairCost(MarginalCost):
     name = "pair_cost"
     Params = PairCostParams
 
+    def __init__(self, cost_model: CostModel, params: Params | None = None) -> None:
+        super().__init__(cost_model, params)
+        self._pair_transfers = _PairTransfers(cost_model)
+
     @property
     def may_colocate(self) -> bool:
         return self.params.allow_colocated
 
     def choose(self, req, prefill, decode, now):
-        prm = self.params
-        cm = self.cost_model
+        prm, cm = self.params, self.cost_model
         sigma = prm.sigma.get(req.slo_class, 1.0)
         out = self.output_tokens(req)
+        prompt = req.prompt_tokens
         decode_ok = _feasible(decode, req, "decode")
-        d_priced = [(d, self.decode_terms(d, req, sigma, out)) for d in decode_ok]
-        options: list[tuple[float, InstanceView, CostTerms, InstanceView, CostTerms]] = []
-
-        prefill_ok = [v for v in prefill if _fits(v, req.prompt_tokens)]
-        p_priced = [(p, self.prefill_terms(p, req, sigma)) for p in prefill_ok]
+        prefill_ok = [v for v in prefill if _fits(v, prompt)]
+        # Candidates are priced as plain floats — `prefill_terms` / `decode_terms`' expressions in the
+        # same order, so the very totals their `CostTerms` add up to — and only the winner's terms are
+        # built: a `CostTerms` per candidate was most of the decision's time at 64 instances.
+        d_totals = self._decode_totals(decode_ok, req, sigma, out)
+        p_totals = self._prefill_totals(prefill_ok, req, sigma)
         if cm.pairs:
-            candidates = ((p, pt, d, dt) for p, pt in p_priced for d, dt in d_priced)
-        elif p_priced:
+            paired = range(len(prefill_ok))
+        elif prefill_ok:
             # the prefill choice is independent of d: its near-ties are judged on the prefill price
             # alone (a tolerance on the pair total would drown them in the decode backlog)
-            p, pt = self._tie.pick(p_priced, [x[1].total_s for x in p_priced])
-            candidates = ((p, pt, d, dt) for d, dt in d_priced)
+            paired = (self._tie.pick(range(len(prefill_ok)), p_totals),)
         else:
-            candidates = iter(())
-        for p, pt, d, dt in candidates:
-            xfer = prm.w_service * cm.transfer_s(p.instance_id, d.instance_id, req.prompt_tokens) * sigma
-            options.append((pt.total_s + dt.total_s + xfer, p, pt, d, _with_transfer(dt, xfer)))
-
+            paired = ()
+        # the options' totals, in order: each paired prefill with every decode instance, then each
+        # decode instance as its own prefill
+        costs: list[float] = []
+        w_s = prm.w_service
+        moved, stays = w_s * cm.transfer.transfer_s(prompt) * sigma, w_s * 0.0 * sigma  # default constants
+        for i in paired:
+            p_id, pt = prefill_ok[i].instance_id, p_totals[i]
+            pair_row = self._pair_transfers.row(p_id)
+            if pair_row:
+                costs += [pt + dt + (stays if d.instance_id == p_id else w_s * pair_row.get(
+                          d.instance_id, cm.transfer).transfer_s(prompt) * sigma) for d, dt in zip(decode_ok, d_totals)]
+            else:  # `cm.transfer_s`: one price for every decode instance but p itself
+                costs += [pt + dt + (stays if d.instance_id == p_id else moved) for d, dt in zip(decode_ok, d_totals)]
+        n_pairs = len(costs)
         if prm.allow_colocated:
-            for d, dt in d_priced:
-                work = cm.for_instance(d.instance_id).prefill_s(req.prompt_tokens)
-                stall = prm.interference * work * d.queued
-                pt = CostTerms(own_work_s=prm.w_service * (work + stall) * sigma, slo_weight=sigma)
-                options.append((pt.total_s + dt.total_s, d, pt, d, dt))
+            costs += [w_s * (work + prm.interference * work * d.queued) * sigma + dt
+                      for d, dt, work in zip(decode_ok, d_totals, self._prefill_works(decode_ok, prompt))]
 
-        if not options:
+        if not costs:
             _feasible(prefill, req, "prefill")  # raises the precise reason
             raise NoCapacity("no prefill candidate fits and colocated prefill is disabled")
-        _, p, pt, d, dt = self._tie.pick(options, [o[0] for o in options])  # tolerance 0: the first cheapest
-        return Decision(p.instance_id, d.instance_id, self.name, pt, dt)
+        best = self._tie.pick(range(len(costs)), costs)  # tolerance 0: the first cheapest
+        if best < n_pairs:
+            p, d = prefill_ok[paired[best // len(decode_ok)]], decode_ok[best % len(decode_ok)]
+            xfer = w_s * cm.transfer_s(p.instance_id, d.instance_id, prompt) * sigma
+            return Decision(p.instance_id, d.instance_id, self.name, self.prefill_terms(p, req, sigma),
+                            _with_transfer(self.decode_terms(d, req, sigma, out), xfer))
+        d = decode_ok[best - n_pairs]
+        work = cm.for_instance(d.instance_id).prefill_s(prompt)
+        stall = prm.interference * work * d.queued
+        pt = CostTerms(own_work_s=w_s * (work + stall) * sigma, slo_weight=sigma)
+        return Decision(d.instance_id, d.instance_id, self.name, pt, self.decode_terms(d, req, sigma, out))
+
+    def _prefill_works(self, pool: Sequence[InstanceView], prompt: int) -> list[float]:
+        cm = self.cost_model
+        if not cm.instances:
+            return [cm.engine.prefill_s(prompt)] * len(pool)
+        return [cm.for_instance(v.instance_id).prefill_s(prompt) for v in pool]
+
+    def _prefill_totals(self, pool: Sequence[InstanceView], req: RequestFeatures, sigma: float) -> list[float]:
+        """`prefill_terms(v, req, sigma).total_s` for each v in `pool`."""
+        prm, p = self.params, req.prompt_tokens
+        wb, ws, rho, wq = prm.w_backlog, prm.w_service, prm.rho, prm.w_queue_s
+        return [wb * v.backlog_s * sigma + ws * work * (1.0 + rho * v.pressure_after(p)) * sigma + wq * v.queued
+                for v, work in zip(pool, self._prefill_works(pool, p))]
+
+    def _decode_totals(self, pool: Sequence[InstanceView], req: RequestFeatures, sigma: float, out: int) -> list[float]:
+        """`decode_terms(v, req, sigma, out).total_s` for each v in `pool`."""
+        prm, cm, extra = self.params, self.cost_model, req.prompt_tokens + out
+        wb, ws, rho, wq = prm.w_backlog, prm.w_service, prm.rho, prm.w_queue_s
+        return [wb * v.backlog_s * sigma
+                + ws * out * cm.for_instance(v.instance_id).decode_token_s(v.queued + 1)
+                * (1.0 + rho * v.pressure_after(extra)) * sigma
+                + wq * v.queued for v in pool]
+
+class _PairTransfers:
+    """A cost model's per-pair transfer constants by prefill id, then decode id: `CostModel.transfer_s`
+    for every pair of a decision without building a 'prefill->decode' key per pair."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, cm: CostModel) -> None:
+        self._rows: dict[str, dict[str, TransferConstants]] = {}
+        for key, constants in cm.pairs.items():
+            prefill_id, decode_id = key.split("->")  # the cost model checks there is one arrow
+            self._rows.setdefault(prefill_id, {})[decode_id] = constants
+
+    def row(self, prefill_id: str) -> dict[str, TransferConstants]:
+        """Decode id → the pair's constants, for the pairs of `prefill_id` that have their own."""
+        return self._rows.get(prefill_id, _NO_PAIRS)
+
+
+_NO_PAIRS: dict[str, TransferConstants] = {}
 
 
 def _with_transfer(t: CostTerms, transfer_s: float) -> CostTerms:
@@ -669,13 +741,14 @@ def _miss(predicted_s: float, target_s: float, spread: float) -> float:
     return 0.5 * math.erfc((1.0 - predicted_s / target_s) / spread * _INV_SQRT2)
 
 
-def _cached_tokens(v: InstanceView, hashes: tuple[int, ...], prompt_tokens: int) -> int:
+def _cached_tokens(v: InstanceView, req: RequestFeatures) -> int:
     """Prompt tokens `v` holds cached, as a prefill there may reuse them: whole leading blocks, never
     the block of the last prompt token (always computed, as in vLLM)."""
-    if not hashes:
+    if not req.prefix_hashes:
         return 0
-    blocks = v.cached_prefix_blocks(hashes)
-    return min(blocks, (prompt_tokens - 1) // PREFIX_BLOCK_TOKENS) * PREFIX_BLOCK_TOKENS if blocks else 0
+    blocks = v.cached_prefix_blocks(req.prefix_hashes)
+    block = req.prefix_block_tokens
+    return min(blocks, (req.prompt_tokens - 1) // block) * block if blocks else 0
 
 
 @register
@@ -750,6 +823,9 @@ class SloGoodput(Policy):
         # prefills there: the ledger prices a prompt whole, the engine computes only its uncached part
         self._overpriced: dict[str, list[tuple[float, float]]] = {}
         self._tpot_floor_s = min(t.tpot_s for t in cost_model.slo.values())  # the strictest class's target
+        self._pair_transfers = _PairTransfers(cost_model)
+        # instance id (None: the default constants) → batch size → `_step_times`; pure, so memoised
+        self._steps: dict[str | None, dict[int, tuple[float, float, float, float]]] = {}
 
     def _prefill_queue_s(self, v: InstanceView, now: float) -> float:
         """The ledger's backlog on a prefill instance, less the cache hits of our prefills still in it."""
@@ -779,61 +855,96 @@ class SloGoodput(Policy):
             _feasible(prefill, req, "prefill")  # raises the precise reason
             raise NoCapacity("no prefill candidate fits and colocated prefill is disabled")
 
-        # prefill side: (end of its prefill, queue, work, instance); only the end matters to a pair,
-        # so without per-pair transfer constants the earliest end is the only prefill worth pairing
-        ends = []
-        for p in prefill_ok:
-            q = self._prefill_queue_s(p, now)
-            work = cm.for_instance(p.instance_id).prefill_s(prompt - _cached_tokens(p, hashes, prompt))
-            ends.append((q + work, q, work, p))
+        # prefill side: only the end of its prefill matters to a pair, so without per-pair transfer
+        # constants the earliest end is the only prefill worth pairing
+        ends = self._prefill_ends(prefill_ok, req, now)
         if ends and not cm.pairs:
             ends = [min(ends, key=lambda e: e[0])]  # first of equal minima
 
-        best = None  # (cost, prefill view, decode view, queue, work, transfer, first step, tpot, press)
+        # This loop prices every decode instance on every decision (43 of them at 64 instances), so it
+        # is kept to float arithmetic: the cost model's step times come from a memo per batch size,
+        # Φ (`_miss`) is written out, and a candidate is priced in full only if it can still win — its
+        # last term, w·latency/target, is a lower bound of its cost (every other term is ≥ 0), so one
+        # whose last term exceeds the best cost so far is skipped. Same expressions in the same order
+        # as the straightforward form, so the same floats and the same choice
+        # (tests/core/test_decision_speed.py checks it against that form).
+        erfc, k = math.erfc, _INV_SQRT2
+        colocated_ends, allow_colocated = self._colocated_ends, prm.allow_colocated
+        same_engine, transfer = not cm.instances, cm.transfer
+        xfer_whole = transfer.transfer_s(prompt)
+        pair_rows = [self._pair_transfers.row(p.instance_id) for _, _, _, p in ends]
+        ec, memo = cm.engine, self._steps.setdefault(None, {})
+        best, best_cost, bar = None, math.inf, math.inf  # bar: the best cost + a rounding margin
         for d in decode_ok:
-            ec = cm.for_instance(d.instance_id)
+            did = d.instance_id
+            if not same_engine:
+                ec, memo = cm.for_instance(did), self._steps.setdefault(did, {})
             b = d.queued
-            pending = self._colocated_queue_s(d, now)
-            held = _cached_tokens(d, hashes, prompt)
+            steps = memo.get(b)
+            if steps is None:
+                steps = memo[b] = _step_times(ec, b)
+            tau_b, tau_after, step, step_beside_chunk = steps
+            # colocated prefill still to run on d (`_colocated_queue_s`)
+            pending = min(d.backlog_s, max(0.0, colocated_ends.get(did, now) - now))
+            held = _cached_tokens(d, req) if hashes else 0
             # KV at the request's peak: its prompt and output, and the running sequences' growth
             # meanwhile (half an output each on average: they are midway through theirs)
             press = d.pressure_after(prompt + out + b * out // 2)
-            ok_kv = 1.0 - _miss(press, 1.0, spread)
-            tau_after = ec.decode_token_s(b + 1)
-            before = _miss(ec.decode_token_s(b) + pending / out, tpot_others, spread) if b else 0.0
-            step = ec.step_s(0, b + 1)
-            for end, q, work, p in ends:
-                xfer = cm.transfer_s(p.instance_id, d.instance_id, prompt - held)
+            ok_kv = None  # and `before`: computed once a candidate on d may win
+            for (end, q, work, p), pair_row in zip(ends, pair_rows):
+                if p.instance_id == did:  # `cm.transfer_s`, by instance ids
+                    xfer = 0.0
+                else:
+                    tc = pair_row.get(did, transfer)
+                    xfer = xfer_whole if tc is transfer and not held else tc.transfer_s(prompt - held)
                 arrive = end + xfer
                 # the first token comes from d's next step: longer while d prefills a colocated prompt
-                first = ec.step_s(ec.max_batched_tokens - b - 1, b + 1) if pending > arrive else step
+                first = step_beside_chunk if pending > arrive else step
                 if b:
                     first *= 1.5  # + the rest of the step in flight, half a step on average
                 ttft = arrive + first + overhead
+                load = w * ttft / ttft_t
+                if load > bar:
+                    continue
+                meets_ttft = 1.0 - 0.5 * erfc((1.0 - ttft / ttft_t) / spread * k)
+                if 1.0 - meets_ttft + load > bar:  # 1 − meet ≥ 1 − meets_ttft
+                    continue
+                if ok_kv is None:
+                    ok_kv = 1.0 - 0.5 * erfc((1.0 - press) / spread * k)
+                    before = 0.5 * erfc((1.0 - (tau_b + pending / out) / tpot_others) / spread * k) if b else 0.0
                 tpot = tau_after + max(0.0, pending - arrive) / out
-                after = _miss(tau_after + pending / out, tpot_others, spread) if b else 0.0
-                meet = (1.0 - _miss(ttft, ttft_t, spread)) * (1.0 - _miss(tpot, tpot_t, spread)) * ok_kv
-                cost = 1.0 - meet + b * (after - before) + w * ttft / ttft_t
-                if best is None or cost < best[0]:
-                    best = (cost, p, d, q, work, xfer, first, tpot, press)
-            if prm.allow_colocated:
+                after = 0.5 * erfc((1.0 - (tau_after + pending / out) / tpot_others) / spread * k) if b else 0.0
+                meet = meets_ttft * (1.0 - 0.5 * erfc((1.0 - tpot / tpot_t) / spread * k)) * ok_kv
+                cost = 1.0 - meet + b * (after - before) + load
+                if cost < best_cost or best is None:
+                    best, best_cost, bar = (p, d, q, work, xfer, first, tpot, press), cost, cost + _COST_ROUNDING
+            if allow_colocated:
                 uncached = prompt - held
                 chunk = max(1, ec.max_batched_tokens - b)
                 # beside b decoding sequences, each step prefills (budget − b) tokens and costs them their step
                 work = (ec.prefill_overhead_s + -(-uncached // chunk) * (ec.step_base_s + ec.decode_seq_s * b)
                         + ec.prefill_token_s * uncached)
                 ttft = pending + work + overhead
-                after = _miss(tau_after + (pending + work) / out, tpot_others, spread) if b else 0.0
-                meet = (1.0 - _miss(ttft, ttft_t, spread)) * (1.0 - _miss(tau_after, tpot_t, spread)) * ok_kv
-                # its time is taken from d and from each of the b sequences waiting for it; and if d's
-                # KV overflows it preempts a running sequence (it takes blocks chunk by chunk, where a
-                # transferred prompt waits for all of them): one more miss
-                cost = 2.0 - meet - ok_kv + b * (after - before) + w * (ttft + (1 + b) * work) / ttft_t
-                if best is None or cost < best[0]:
-                    best = (cost, d, d, pending, work, 0.0, 0.0, tau_after, press)
+                # its time is taken from d and from each of the b sequences waiting for it
+                load = w * (ttft + (1 + b) * work) / ttft_t
+                if load > bar:
+                    continue
+                meets_ttft = 1.0 - 0.5 * erfc((1.0 - ttft / ttft_t) / spread * k)
+                if 1.0 - meets_ttft + load > bar:  # 2 − meet − ok_kv ≥ 1 − meets_ttft
+                    continue
+                if ok_kv is None:
+                    ok_kv = 1.0 - 0.5 * erfc((1.0 - press) / spread * k)
+                    before = 0.5 * erfc((1.0 - (tau_b + pending / out) / tpot_others) / spread * k) if b else 0.0
+                after = 0.5 * erfc((1.0 - (tau_after + (pending + work) / out) / tpot_others) / spread * k) if b else 0.0
+                meet = meets_ttft * (1.0 - 0.5 * erfc((1.0 - tau_after / tpot_t) / spread * k)) * ok_kv
+                # if d's KV overflows it preempts a running sequence (it takes blocks chunk by chunk, where
+                # a transferred prompt waits for all of them): one more miss
+                cost = 2.0 - meet - ok_kv + b * (after - before) + load
+                if cost < best_cost or best is None:
+                    best, best_cost, bar = (d, d, pending, work, 0.0, 0.0, tau_after, press), cost, cost + _COST_ROUNDING
 
         # best is set: decode_ok is not empty, and either colocation is allowed or a prefill fits
-        _, p, d, q, work, xfer, first, tpot, press = best
+        p, d, q, work, xfer, first, tpot, press = best
         if p is d:
             self._colocated_ends[d.instance_id] = now + q + work
         else:
@@ -845,3 +956,28 @@ class SloGoodput(Policy):
             CostTerms(backlog_s=q, own_work_s=work, pressure=p.pressure_after(prompt)),
             CostTerms(backlog_s=first, own_work_s=out * tpot, pressure=press, transfer_s=xfer),
         )
+
+    def _prefill_ends(self, pool: list[InstanceView], req: RequestFeatures, now: float) -> list[tuple]:
+        """(end of the request's prefill, queue, work, instance) on each prefill candidate."""
+        cm, prompt = self.cost_model, req.prompt_tokens
+        # without prefix hashes or per-instance constants the work is the same everywhere: price it once
+        uniform = not (req.prefix_hashes or cm.instances)
+        work = cm.engine.prefill_s(prompt) if uniform else 0.0
+        ends = []
+        for p in pool:
+            q = self._prefill_queue_s(p, now) if self._overpriced else p.backlog_s
+            if not uniform:
+                work = cm.for_instance(p.instance_id).prefill_s(prompt - _cached_tokens(p, req))
+            ends.append((q + work, q, work, p))
+        return ends
+
+
+# Skipping a candidate whose lower bound exceeds the best cost must not depend on the last bits of
+# Φ: its other terms are ≥ 0 exactly but for Φ's rounding, far below this margin.
+_COST_ROUNDING = 1e-9
+
+
+def _step_times(ec: EngineConstants, b: int) -> tuple[float, float, float, float]:
+    """τ_dec(b), τ_dec(b + 1), a decode step of b + 1 sequences, and that step beside a full prefill chunk."""
+    return (ec.decode_token_s(b), ec.decode_token_s(b + 1), ec.step_s(0, b + 1),
+            ec.step_s(ec.max_batched_tokens - b - 1, b + 1))

@@ -29,14 +29,13 @@ to be past its warm-up may not, and the result is then one of the crossings.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import replace
 from typing import Callable, Sequence
 
 from disagg.core.cost_model import CostModel
 from disagg.core.policies import build_policy
 from disagg.core.predictor import BucketMeanPredictor, NoisyPredictor
-from disagg.sim.metrics import summarize
+from disagg.sim.metrics import percentile, summarize
 from disagg.sim.simulator import SimResult, Simulator, Topology
 from disagg.sim.traces import TraceRequest, assign_slo_classes, rescale_to_rate, trace_stats
 
@@ -94,8 +93,8 @@ def simulate(
     trace, capped = clamp_to_context(trace, cost_model.engine.kv_capacity_tokens)
     result = sim.run(trace, progress=progress)
     summary = summarize(result.records, result.instance_tokens)
-    summary["decision_us_p50"] = _pct(result.decision_us, 50)
-    summary["decision_us_p99"] = _pct(result.decision_us, 99)
+    summary["decision_us_p50"] = percentile(result.decision_us, 50)
+    summary["decision_us_p99"] = percentile(result.decision_us, 99)
     summary["preemptions"] = result.preemptions
     summary["outputs_capped_to_context"] = capped
     if "prefix_cache" in result.extra:  # only traces with prefix hashes: other summaries stay as they were
@@ -103,12 +102,6 @@ def simulate(
     summary["sim_wall_s"] = result.sim_wall_s
     summary["sim_requests_per_s"] = len(trace) / result.sim_wall_s if result.sim_wall_s > 0 else math.inf
     return summary, result
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
 
 
 def rr_goodput(trace, cost_model, topology, rate, tight_share, seed) -> float:

@@ -136,6 +136,7 @@ class SimResult:
     preemptions: int
     makespan_s: float
     extra: dict = field(default_factory=dict)
+    sim_cpu_s: float = 0.0  # CPU time of the run (its wall time counts other processes' too)
 
 
 class Simulator:
@@ -211,12 +212,6 @@ class Simulator:
         self._seq += 1
         heapq.heappush(self._heap, (t, prio, self._seq, event))
 
-    def _schedule_step(self, iid: str, end: float | None) -> None:
-        if end is None:
-            return
-        self._step_epoch[iid] += 1
-        self._push(end, _STEP, ("step", iid, self._step_epoch[iid]))
-
     # --- polls ---------------------------------------------------------------------------------
 
     def _tick(self, k: int, now: float) -> int:
@@ -235,12 +230,7 @@ class Simulator:
         if self.routers == 1:  # the hot path of the single-router run
             tick = int(now / self.poll_interval_s)
             if tick != self._tick_seen[0][iid]:
-                self._tick_seen[0][iid] = tick
-                version = self.engines[iid].version
-                if version != self._polled_version[0][iid]:
-                    self._polled_version[0][iid] = version
-                    self._polled[0][iid] = self._poll_one(iid, 0)
-                self.ledger.polled(iid)
+                self._take_poll(iid, tick)
             return
         for k in range(self.routers):
             tick = self._tick(k, now)
@@ -253,9 +243,24 @@ class Simulator:
                     self._polled[k][iid] = self._poll_one(iid, k)
                 self.ledgers[k].polled(iid)
 
+    def _take_poll(self, iid: str, tick: int) -> None:
+        """The single router's poll of `iid` at `tick`, not taken yet (`_refresh`)."""
+        self._tick_seen[0][iid] = tick
+        version = self.engines[iid].version
+        if version != self._polled_version[0][iid]:  # unchanged engine: same snapshot
+            self._polled_version[0][iid] = version
+            self._polled[0][iid] = self._poll_one(iid, 0)
+        self.ledger.polled(iid)
+
     def _poke(self, iid: str, now: float) -> None:
         engine = self.engines[iid]
-        self._schedule_step(iid, engine.poke(now))
+        end = engine.poke(now)
+        if end is not None:  # a new step end; a step event of an earlier epoch is now stale
+            epoch = self._step_epoch[iid] = self._step_epoch[iid] + 1
+            self._seq += 1
+            heapq.heappush(self._heap, (end, _STEP, self._seq, ("step", iid, epoch)))
+        if self.roles[iid] is Role.PREFILL:  # KV is transferred in only by decode instances
+            return
         for job in engine.take_transfers():
             f: _Flight = job.payload
             tokens = f.req.prompt_tokens
@@ -276,11 +281,15 @@ class Simulator:
 
     def _call_arrived(self, iid: str, k: int, work_s: float) -> None:
         """A call of router k, carrying its priced work, reached engine `iid`."""
+        if self.routers == 1:  # only the other routers' calls are ever read (`_poll_one`)
+            return
         self.received[iid].add(self.router_ids[k], work_s)
         self._received_version[iid] += 1
 
     def _call_ended(self, iid: str, k: int, work_s: float) -> None:
         """A call of router k on engine `iid` ended (a prefill returned, a decode's last token)."""
+        if self.routers == 1:
+            return
         self.received[iid].remove(self.router_ids[k], work_s)
         self._received_version[iid] += 1
 
@@ -290,7 +299,7 @@ class Simulator:
             tick, seen = int(now / self.poll_interval_s), self._tick_seen[0]
             for i in ids:
                 if seen[i] != tick:
-                    self._refresh(i, now)
+                    self._take_poll(i, tick)
         else:
             for i in ids:
                 self._refresh(i, now)
@@ -327,19 +336,29 @@ class Simulator:
 
     def run(self, trace: Sequence[TraceRequest], default_slo: SloClass = SloClass.LOOSE,
             progress: Callable[[int], None] | None = None) -> SimResult:
-        wall0 = time.perf_counter()
+        wall0, cpu0 = time.perf_counter(), time.process_time()
         records: list[RequestRecord] = []
         decision_us: list[float] = []
         instance_tokens = dict.fromkeys(self.engines, 0)
-        for i, r in enumerate(trace):
-            self._push(r.arrival_s, _ARRIVAL, ("arrive", i, r))
+        # Arrivals are merged in from the trace, in the order the event heap would give them, not pushed
+        # onto it: a heap of the few engine events in flight is several times cheaper to push and pop
+        # than one holding the whole trace. At equal times an engine event goes first (`_ARRIVAL` is
+        # the last priority), and arrivals keep the trace's order among themselves (stable sort).
+        order = sorted(range(len(trace)), key=lambda j: trace[j].arrival_s)
+        arrivals = [trace[j].arrival_s for j in order]
+        n_arrivals, a = len(order), 0
         now = 0.0
         perf = time.perf_counter
         heap = self._heap
         awaiting_prefill = self._awaiting_prefill
-        while heap:
-            now, _, _, ev = heapq.heappop(heap)
-            kind = ev[0]
+        while heap or a < n_arrivals:
+            if heap and (a == n_arrivals or heap[0][0] <= arrivals[a]):
+                now, _, _, ev = heapq.heappop(heap)
+                kind = ev[0]
+            else:
+                i = order[a]
+                now, kind = arrivals[a], "arrive"
+                a += 1
             if kind == "step":
                 _, iid, epoch = ev
                 if epoch != self._step_epoch[iid]:
@@ -388,8 +407,8 @@ class Simulator:
                     self._cache_prompt(f.decode_id, f.req)
                 self._poke(f.decode_id, now)
                 self._poke(f.prefill_id, now)
-            else:  # arrival, at router i mod K
-                _, i, r = ev
+            else:  # arrival of trace[i], at router i mod K
+                r = trace[i]
                 k = i % self.routers
                 policy = self.policies[k]
                 slo = r.slo_class or default_slo
@@ -424,6 +443,7 @@ class Simulator:
             preemptions=sum(e.preemptions for e in self.engines.values()),
             makespan_s=now,
             extra=extra,
+            sim_cpu_s=time.process_time() - cpu0,
         )
 
     def _admit(self, f: _Flight, now: float) -> None:
