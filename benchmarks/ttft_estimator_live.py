@@ -19,8 +19,12 @@ instance) next to three measurements of the same first token:
 - engine: `decode_engine_first_s`, inside the engine replica from the call to the first output;
 - router: `ttft_s`, from the router's decision to the first token back from the replica;
 - client: send → the first SSE event carrying a choice (adds the HTTP proxy and parsing).
-The estimator models the engine, so *engine* is its truth; *router* and *client* show what the
-serving path adds on top. For each, the absolute percentage error |est − measured| / measured:
+The estimator models the engine, so *engine* is its truth; *router* shows what the hop to the
+replica adds on top. *client* is compared with the estimate plus the model's serving overhead
+(`serving_overhead_s`: HTTP proxy, router, Serve hops), the cost model's constant when calibrated
+through the app (`disagg calibrate --url`), else measured here before the first rate: the median of
+client TTFT − engine first token over `--overhead-requests` lone requests, one at a time. The
+results carry the overhead used and its source. For each, the absolute percentage error |est − measured| / measured:
 its mean (MAPE), median and p10/p90 across requests, and the median signed error (bias).
 It also reports the share of queries whose measured TTFT met their limit, per rate and per model.
 
@@ -45,6 +49,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from disagg.bench.sse import DONE, SseDecoder  # noqa: E402
+from disagg.sim.metrics import percentile  # noqa: E402
+
+
 def prompt_of(rng: random.Random, tokens: int) -> list[int]:
     # token ids: exact prompt lengths, and random ones so that the prefix cache never hits
     # (both models share the tiny models' tokenizer; ids 3.. skip its special tokens)
@@ -62,10 +70,12 @@ async def one(client: httpx.AsyncClient, body: dict, headers: dict, timeout_s: f
                     out["error"] = (await r.aread()).decode()[:200]
                     return out
                 out["route"] = r.headers.get("x-disagg-route")
+                sse = SseDecoder()
                 async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    data = sse.line(line)
+                    if data is None or data == DONE:
                         continue
-                    chunk = json.loads(line[6:])
+                    chunk = json.loads(data)
                     out["id"] = out["id"] or chunk.get("id")
                     if out["client_ttft_s"] is None and chunk.get("choices"):
                         out["client_ttft_s"] = time.perf_counter() - t0
@@ -100,6 +110,49 @@ async def drive(url: str, rate: float, n: int, args, seed: int) -> list[dict]:
                                       timeout=plan[-1][0] + args.timeout + 30)
 
 
+def configured_overheads(config: str) -> dict[str, float]:
+    """Each served model's `serving_overhead_s` from its cost model (0: not calibrated through the app)."""
+    from serve_app.config import load_cost_model, load_serve_config
+
+    return {cfg.model.served_name: load_cost_model(cfg.router.cost_model).serving_overhead_s
+            for _, cfg in load_serve_config(config)}
+
+
+async def lone_requests(url: str, n: int, args, seed: int) -> list[dict]:
+    """`n` lone 64-token requests, one at a time after one unmeasured: the unloaded serving path."""
+    rng = random.Random(seed)
+    out = []
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.timeout)) as client:
+        for i in range(n + 1):
+            body = {"model": "auto", "prompt": prompt_of(rng, 64), "max_tokens": 2, "ignore_eos": True,
+                    "temperature": 0.0, "stream": True}
+            res = await one(client, body, {"X-TTFT-Limit-Ms": "1000", "X-Route-Lambda": "0"}, args.timeout)
+            if i:  # the first one wakes an idle path up
+                out.append(res)
+    return out
+
+
+def serving_overheads(url: str, log: Path, args) -> dict[str, dict]:
+    """Per served model, the serving overhead added to client-side estimates, and where it came from."""
+    configured = configured_overheads(args.config)
+    measured = None
+    if args.overhead_requests and not all(configured.values()):
+        sent = asyncio.run(lone_requests(url, args.overhead_requests, args, seed=args.seed + 555))
+        logged = read_log(log, {r["id"] for r in sent if r["id"]})
+        gaps = [r["client_ttft_s"] - logged[r["id"]]["decode_engine_first_s"] for r in sent
+                if r["id"] in logged and r["client_ttft_s"] and logged[r["id"]].get("decode_engine_first_s")]
+        measured = max(statistics.median(gaps), 0.0) if gaps else None
+    out = {}
+    for m, s in configured.items():
+        if s > 0:
+            out[m] = {"seconds": s, "source": "cost model"}
+        elif measured is not None:
+            out[m] = {"seconds": measured, "source": f"measured: median of {len(gaps)} lone requests"}
+        else:
+            out[m] = {"seconds": 0.0, "source": "none"}
+    return out
+
+
 def read_log(path: Path, ids: set[str], deadline_s: float = 15.0) -> dict[str, dict]:
     end = time.monotonic() + deadline_s
     found: dict[str, dict] = {}
@@ -115,19 +168,14 @@ def read_log(path: Path, ids: set[str], deadline_s: float = 15.0) -> dict[str, d
     return found
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
-
-
-def errors(rows: list[dict], key: str) -> dict:
-    pairs = [(r["estimated_ttft_s"], r[key]) for r in rows if r.get(key) and r.get("estimated_ttft_s") is not None]
+def errors(rows: list[dict], key: str, estimate: str = "estimated_ttft_s") -> dict:
+    pairs = [(r[estimate], r[key]) for r in rows if r.get(key) and r.get(estimate) is not None]
     if not pairs:
         return {"n": 0}
     ape = [abs(e - m) / m for e, m in pairs]
     signed = [(e - m) / m for e, m in pairs]
     return {"n": len(pairs), "mape": statistics.fmean(ape), "median_ape": statistics.median(ape),
-            "p10_ape": pct(ape, 0.1), "p90_ape": pct(ape, 0.9), "median_signed": statistics.median(signed),
+            "p10_ape": percentile(ape, 10), "p90_ape": percentile(ape, 90), "median_signed": statistics.median(signed),
             "median_measured_ms": 1e3 * statistics.median(m for _, m in pairs),
             "median_estimated_ms": 1e3 * statistics.median(e for e, _ in pairs)}
 
@@ -142,7 +190,7 @@ def summarize(rows: list[dict], per_model: bool = True) -> dict:
         "requests": len(rows), "served": len(ok),
         "by_model": {m: sum(1 for r in ok if r["model"] == m) for m in models},
         "engine": errors(ok, "decode_engine_first_s"), "router": errors(ok, "ttft_s"),
-        "client": errors(ok, "client_ttft_s"),
+        "client": errors(ok, "client_ttft_s", "client_estimated_ttft_s"),
         "met_limit_client": (sum(r["client_ttft_s"] <= r["limit_s"] for r in met) / len(met)) if met else None,
         "met_limit_router": (sum(r["ttft_s"] <= r["limit_s"] for r in ok) / len(ok)) if ok else None,
         "chosen_feasible": (sum(bool(r["feasible"]) for r in ok) / len(ok)) if ok else None,
@@ -191,24 +239,35 @@ def main(argv=None) -> int:
     ap.add_argument("--url", help="use a running multi-model app instead of starting one")
     ap.add_argument("--log", help="its request log (with --url)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--overhead-requests", type=int, default=8,
+                    help="lone requests that measure the serving overhead when a cost model has none (0: none)")
     args = ap.parse_args(argv)
     if any(r <= 0 for r in args.rates) or args.requests < 1 or args.requests > 2000:
         ap.error("rates must be > 0 and --requests in 1..2000")
+    if not 0 <= args.overhead_requests <= 100:
+        ap.error("--overhead-requests must be in 0..100")
 
     def run(url: str, log: Path) -> dict:
         asyncio.run(drive(url, 2.0, args.warmup, args, seed=args.seed + 999))  # engines warm, predictor fed
+        overhead = serving_overheads(url, log, args)
+        print("serving overhead: " + ", ".join(f"{m} {o['seconds'] * 1e3:.1f} ms ({o['source']})"
+                                               for m, o in overhead.items()), flush=True)
         results = {"config": args.config, "tokens": args.tokens, "limits_ms": args.limits_ms, "rates": {},
-                   "requests_per_rate": args.requests}
+                   "requests_per_rate": args.requests, "serving_overhead": overhead}
         for k, rate in enumerate(args.rates):
             t0 = time.monotonic()
             sent = asyncio.run(drive(url, rate, args.requests, args, seed=args.seed + k))
             ids = {r["id"] for r in sent if r["id"]}
             logged = read_log(log, ids)
             rows = [{**logged[r["id"]], **r} for r in sent if r["id"] in logged]
+            for r in rows:  # what the client should see: the engine estimate plus the serving path
+                if r.get("estimated_ttft_s") is not None and r.get("model") in overhead:
+                    r["client_estimated_ttft_s"] = r["estimated_ttft_s"] + overhead[r["model"]]["seconds"]
             results["rates"][f"{rate:g}"] = s = summarize(rows)
             results.setdefault("requests", []).extend(
                 {k: r.get(k) for k in ("rate", "model", "prompt_tokens", "limit_s", "estimated_ttft_s",
-                                       "decode_engine_first_s", "ttft_s", "client_ttft_s", "feasible")}
+                                       "client_estimated_ttft_s", "decode_engine_first_s", "ttft_s",
+                                       "client_ttft_s", "feasible")}
                 for r in rows)
             s["failed"] = [r["error"] for r in sent if r["error"]][:5]
             print(f"rate {rate:g}/s: {s['served']}/{s['requests']} served in {time.monotonic() - t0:.0f} s, "

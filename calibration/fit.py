@@ -1,15 +1,23 @@
 """Fit the cost model's constants from measurements (pure: numpy only).
 
 Inputs are what `measure` records on live engines:
-- prefill latency of lone prompts over several lengths → τ_pre (slope) and an intercept;
+- prefill latency of lone prompts over a ladder of lengths → τ_pre (the linear slope), the
+  attention term (the quadratic one: a lone prompt of p tokens computes p²/2 token pairs) and the
+  per-prefill overhead, by non-negative least squares on relative errors (the estimator is judged
+  by its relative error, and the ladder's short prompts would weigh nothing in absolute terms);
 - decode step time (median gap between streamed tokens) at several concurrencies → the step base
   and the per-sequence cost, i.e. τ_dec(b) = base + b·τ_seq;
 - KV hand-off time over prompt lengths (decode first token with remote KV minus one decode step)
   → transfer latency and bandwidth;
 - the engine's KV capacity in tokens.
 
-Fits that cannot describe hardware are refused with the numbers that show it (a prefill slope
-≤ 0, a decode step that clearly falls with concurrency, a transfer slope ≤ 0, too few points), and
+The attention term is kept only when the data identify it: at least four distinct prompt lengths,
+a coefficient beyond three standard errors, and a share of at least `ATTENTION_MATERIAL` of the
+longest prompt's prefill time. Otherwise it is 0 and the linear model is refitted without it: a
+prefill time linear in the prompt gets no attention term, not one fitted to its noise.
+
+Fits that cannot describe hardware are refused with the numbers that show it (a prefill time
+that does not grow with the prompt, a decode step that clearly falls with concurrency, a transfer slope ≤ 0, too few points), and
 no file is written. A decode curve that is flat within its noise is not refused: on a small CPU a
 tiny model's step is dominated by fixed overhead, so its measured slope is as often slightly
 negative as positive; τ_seq is then 0. "Clearly falls" means both beyond three standard errors
@@ -35,6 +43,7 @@ from disagg.core.cost_model import CostModel, EngineConstants, SloTarget, Transf
 from disagg.core.types import SloClass
 
 REFERENCE_PROMPT = 1024
+ATTENTION_MATERIAL = 0.02  # the attention term's least share of the longest prefill, to be kept
 SLO_HEADROOM = 2.0
 LOOSE_FACTOR = 3.0
 
@@ -66,7 +75,7 @@ class LinearFit:
         return asdict(self)
 
 
-def fit_linear(samples: list[Sample], what: str, min_points: int = 3) -> LinearFit:
+def _arrays(samples: list[Sample], what: str, min_points: int) -> tuple[np.ndarray, np.ndarray]:
     xs = np.array([s.x for s in samples], dtype=float)
     ys = np.array([s.seconds for s in samples], dtype=float)
     if len(samples) < min_points or len(set(xs.tolist())) < 2:
@@ -74,6 +83,11 @@ def fit_linear(samples: list[Sample], what: str, min_points: int = 3) -> LinearF
                                f"got {len(samples)} at {sorted(set(xs.tolist()))}")
     if not np.all(np.isfinite(ys)) or np.any(ys <= 0):
         raise CalibrationError(f"{what}: measured times must be positive and finite, got {ys.tolist()}")
+    return xs, ys
+
+
+def fit_linear(samples: list[Sample], what: str, min_points: int = 3) -> LinearFit:
+    xs, ys = _arrays(samples, what, min_points)
     slope, intercept = np.polyfit(xs, ys, 1)
     pred = intercept + slope * xs
     ss_res = float(np.sum((ys - pred) ** 2))
@@ -83,6 +97,76 @@ def fit_linear(samples: list[Sample], what: str, min_points: int = 3) -> LinearF
     stderr = float(np.sqrt(ss_res / (len(xs) - 2) / sxx)) if len(xs) > 2 else float("inf")
     return LinearFit(float(slope), float(intercept), 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0, len(samples),
                      float(np.percentile(rel, 50)), float(np.percentile(rel, 90)), stderr)
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ‖a·x − b‖ subject to x ≥ 0, exactly, for the few columns of a fit: the optimum is the
+    unconstrained least squares on one subset of the columns (the others at 0), so try them all."""
+    n = a.shape[1]
+    best, best_ss = np.zeros(n), float(b @ b)
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        sub = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+        if np.any(sub < 0):
+            continue
+        x = np.zeros(n)
+        x[cols] = sub
+        r = a @ x - b
+        if (ss := float(r @ r)) < best_ss:
+            best, best_ss = x, ss
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillFit:
+    """A lone prefill of p tokens: intercept + slope·p + attention·p²/2 (plus a step base for each
+    chunk beyond the first). The intercept is a step base plus the per-prefill overhead."""
+
+    slope: float  # τ_pre, s/token
+    intercept: float
+    attention: float  # s per (token, context token) pair; 0 when the data do not identify it
+    attention_stderr: float  # of the unconstrained coefficient (inf: < 4 distinct lengths)
+    r2: float
+    n: int
+    residual_p50: float  # relative |residual| / measured
+    residual_p90: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def fit_prefill(samples: list[Sample], step_base_s: float, max_batched_tokens: int) -> PrefillFit:
+    """Fit a lone prefill's time (see the module docstring) with every coefficient ≥ 0.
+
+    Solved for the per-prefill overhead above the step bases (`step_base_s`, from the decode fit,
+    per chunk), so that it fits the engine model as it will run: a prefill costs at least its steps."""
+    xs, ys = _arrays(samples, "prefill latency vs prompt tokens", 3)
+    chunks = np.ceil(xs / max_batched_tokens)
+    # relative errors: every row divided by its measured time
+    target = (ys - step_base_s * chunks) / ys
+    cols = np.column_stack([np.ones_like(xs), xs, xs * xs / 2]) / ys[:, None]
+    scale = np.linalg.norm(cols, axis=0)  # p²/2 is ~10⁶ × the constant: keep lstsq well conditioned
+    a = cols / scale
+    stderr, keep = float("inf"), False
+    if len(set(xs.tolist())) >= 4:
+        coef = nnls(a, target) / scale
+        if len(xs) > 3:  # the attention coefficient's standard error, from the unconstrained fit
+            free = np.linalg.lstsq(a, target, rcond=None)[0]
+            resid = a @ free - target
+            cov = float(resid @ resid) / (len(xs) - 3) * np.linalg.pinv(a.T @ a)
+            stderr = float(np.sqrt(max(cov[2, 2], 0.0)) / scale[2])
+        top = xs.max()
+        share = coef[2] * top * top / 2 / float(ys[xs == top].mean())
+        keep = coef[2] > 3 * stderr and share >= ATTENTION_MATERIAL
+    if not keep:  # not identified: the linear model, refitted without the term
+        coef = np.append(nnls(a[:, :2], target) / scale[:2], 0.0)
+    overhead, slope, attention = (float(c) for c in coef)
+    pred = step_base_s * chunks + overhead + slope * xs + attention * xs * xs / 2
+    ss_res = float(np.sum((ys - pred) ** 2))
+    ss_tot = float(np.sum((ys - ys.mean()) ** 2))
+    rel = np.abs(ys - pred) / ys
+    return PrefillFit(slope, step_base_s + overhead, attention, stderr, 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+                      len(xs), float(np.percentile(rel, 50)), float(np.percentile(rel, 90)))
 
 
 @dataclass(slots=True)
@@ -99,7 +183,7 @@ class Measurements:
 
 @dataclass(slots=True)
 class FitReport:
-    prefill: LinearFit
+    prefill: PrefillFit
     decode: LinearFit
     transfer: LinearFit
 
@@ -108,12 +192,15 @@ class FitReport:
 
 
 def fit_cost_model(m: Measurements, name: str, serving_overhead_s: float = 0.0) -> tuple[CostModel, FitReport]:
-    prefill = fit_linear(m.prefill, "prefill latency vs prompt tokens")
     decode = fit_linear(m.decode, "decode step time vs concurrency")
     transfer = fit_linear(m.transfer, "KV transfer time vs tokens")
-    if prefill.slope <= 0:
-        raise CalibrationError(f"prefill latency does not grow with the prompt (slope {prefill.slope:.3g} s/token): "
-                               "the prompts were too short to measure, or cached")
+    step_base = max(decode.intercept, 1e-6)
+    prefill = fit_prefill(m.prefill, step_base, m.max_batched_tokens)
+    if prefill.slope <= 0 and prefill.attention <= 0:
+        short, long = min(m.prefill, key=lambda s: s.x), max(m.prefill, key=lambda s: s.x)
+        raise CalibrationError(f"prefill latency does not grow with the prompt ({short.seconds:.3g} s at {short.x:g} "
+                               f"tokens, {long.seconds:.3g} s at {long.x:g}: no slope ≥ 0 fits): the prompts were "
+                               "too short to measure, or cached")
     # Tolerate measurement noise in a flat curve, refuse a clearly falling one.
     spread = max(s.x for s in m.decode) - min(s.x for s in m.decode)
     significant = decode.slope + 3 * decode.slope_stderr < 0
@@ -132,11 +219,13 @@ def fit_cost_model(m: Measurements, name: str, serving_overhead_s: float = 0.0) 
         xfer_latency = float(np.mean([s.seconds - xfer_slope * s.x for s in m.transfer]))
     if m.kv_capacity_tokens <= 0:
         raise CalibrationError(f"engine KV capacity must be positive, got {m.kv_capacity_tokens}")
-    step_base = max(decode.intercept, 1e-6)
     engine = EngineConstants(
         step_base_s=step_base,
-        prefill_token_s=prefill.slope,
-        # what a lone prefill costs beyond one step: its intercept above the decode step's
+        # a prefill time all attention (never seen: the MLPs are linear work) would leave τ_pre at
+        # the bound 0, which no hardware has: the smallest positive slope instead
+        prefill_token_s=max(prefill.slope, 1e-12),
+        prefill_attention_s=prefill.attention,
+        # what a lone prefill costs beyond one step (≥ 0 by the fit)
         prefill_overhead_s=min(max(prefill.intercept - step_base, 0.0), 1.0),
         decode_seq_s=max(decode.slope, 0.0),
         kv_capacity_tokens=m.kv_capacity_tokens,

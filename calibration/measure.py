@@ -2,8 +2,10 @@
 
 Starts one prefill and one decode engine from the deployment config's engine settings (the same
 `EngineSpec` the Serve replicas build), in this process, with NIXL between them, and measures:
-- prefill latency of lone prompts over several lengths (random token ids: no prefix-cache hits),
-  each length once unmeasured first (an idle engine's wake-up is not prefill work); each
+- prefill latency of lone prompts over a geometric ladder of lengths, 16 tokens up to the longest
+  the engine takes (random token ids: no prefix-cache hits) — wide enough a range to tell the
+  attention term (quadratic in the prompt) from the linear one — each length once unmeasured
+  first (an idle engine's wake-up is not prefill work); each
   prefill's KV is then handed to the decode engine, which gives
 - the KV hand-off time: the decode engine's first-token time with remote KV minus one decode step;
 - decode step time at several concurrencies: the median gap between streamed tokens once every
@@ -28,6 +30,8 @@ from serve_app.config import AppConfig
 from serve_app.engine import VllmEngine
 
 GREEDY = {"temperature": 0.0}
+SHORTEST_PROMPT = 16
+DECODE_ROOM = 64  # tokens below max_model_len left for the decode side's own tokens
 SERVING_PROBE_TOKENS = 64  # prompt of the lone requests that measure the serving path
 
 
@@ -42,19 +46,29 @@ class Plan:
 
     @classmethod
     def for_context(cls, max_model_len: int, max_num_seqs: int, quick: bool) -> "Plan":
-        top = min(max_model_len - 64, 1536)
-        lengths = tuple(sorted({max(16, int(top * f)) for f in (0.05, 0.15, 0.3, 0.5, 0.75, 1.0)}))
-        held = tuple(sorted({max(16, int(top * f)) for f in (0.1, 0.4, 0.9)}))
+        top = max(SHORTEST_PROMPT, max_model_len - DECODE_ROOM)
+        # geometric: as many rungs per doubling at the short end, where the overhead shows, as at
+        # the long end, where the attention term does
+        lengths = ladder(SHORTEST_PROMPT, top, 2.0 if quick else 2 ** 0.5)
+        held = tuple(sorted({max(SHORTEST_PROMPT, int(top * f)) for f in (0.03, 0.1, 0.4, 0.9)} - set(lengths)))
         conc = tuple(c for c in (1, 2, 4, 8, 16, 32) if c <= max_num_seqs)
         held_c = tuple(c for c in (3, 12) if c <= max_num_seqs)
         if quick:
-            return cls(lengths[::2] + lengths[-1:], held[:2], tuple(c for c in (1, 4, 16) if c <= max_num_seqs),
-                       held_c[:1], 2, 32)
+            return cls(lengths, held[1::2], tuple(c for c in (1, 4, 16) if c <= max_num_seqs), held_c[:1], 2, 32)
         return cls(lengths, held, conc, held_c, 3, 48)
 
     def steps(self) -> int:
         return (len(self.prefill_lengths) * self.repeats + len(self.held_out_lengths)
                 + len(self.concurrencies) + len(self.held_out_concurrencies))
+
+
+def ladder(shortest: int, top: int, ratio: float) -> tuple[int, ...]:
+    """shortest, shortest·ratio, shortest·ratio², ... below `top`, then `top` itself."""
+    out, x = [], float(shortest)
+    while x < top:
+        out.append(round(x))
+        x *= ratio
+    return tuple(sorted({*out, top}))
 
 
 @dataclass(slots=True)

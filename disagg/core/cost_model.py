@@ -3,16 +3,22 @@
 One plain data object, loaded from and saved to YAML, read by the live router, the simulator, the
 TTFT estimator and written by calibration. Every time it knows is in seconds.
 
-The engine model is linear in the work of one continuous-batching step::
+One continuous-batching step costs::
 
     step_s = step_base_s + prefill_token_s * prefill_tokens + decode_seq_s * decode_seqs
+             + prefill_attention_s * Σ c·(k + c/2)     (over the step's prefill chunks)
 
-so a lone prefill of p tokens takes ``prefill_overhead_s + step_base_s + p * prefill_token_s`` (τ_pre
-is the slope; the overhead is what a finished prefill costs beyond its steps: scheduling, KV
-registration for the hand-off, output handling) and one decode token at concurrency b takes
-``step_base_s + b * decode_seq_s`` (τ_dec(b)). KV transfer between a prefill and a decode instance takes
-``latency_s + tokens / tokens_per_s``. Constants can differ per instance (heterogeneous fleets) and
-per (prefill, decode) pair (for example same node vs across nodes); the defaults apply otherwise.
+where a chunk of c prompt tokens is computed over k tokens already in its KV: its attention work
+grows with the context, so a prefill's time is quadratic in its prompt. c·(k + c/2) adds up over the
+chunks of one prompt to p²/2 whatever the chunking, so a lone prefill of p tokens takes
+``prefill_overhead_s + step_base_s + p * prefill_token_s + prefill_attention_s * p²/2`` in one chunk
+(τ_pre is the linear slope; the overhead is what a finished prefill costs beyond its steps:
+scheduling, KV registration for the hand-off, output handling) and one decode token at
+concurrency b takes ``step_base_s + b * decode_seq_s`` (τ_dec(b)). KV transfer between a prefill and a decode instance takes
+``latency_s + tokens / tokens_per_s``. A decode step has no context term: calibration's decode
+samples all hold a few dozen tokens of context, so it could not measure one. Constants can differ
+per instance (heterogeneous fleets) and per (prefill, decode) pair (for example same node vs across
+nodes); the defaults apply otherwise.
 
 Units are checked on load: a cost model whose numbers cannot describe real hardware (a decode step
 above a second, a zero prefill slope) is refused with the offending value named — with wrong units
@@ -48,6 +54,11 @@ class EngineConstants(_Strict):
     decode_seq_s: float = Field(ge=0.0, le=1.0, description="added step time per decoding sequence (s)")
     prefill_overhead_s: float = Field(default=0.0, ge=0.0, le=1.0,
                                       description="fixed cost per finished prefill beyond its steps (s)")
+    # 0 (the default) is the linear model every profile before it meant
+    prefill_attention_s: float = Field(
+        default=0.0, ge=0.0, le=1e-5,
+        description="seconds per prefill token per token of context it attends to: a chunk of c tokens "
+                    "after k computed ones adds prefill_attention_s·c·(k + c/2) to its step")
     kv_capacity_tokens: int = Field(gt=0, description="KV cache capacity in tokens")
     block_size: int = Field(default=16, gt=0, description="KV block size in tokens")
     max_num_seqs: int = Field(default=256, gt=0, description="cap on running sequences")
@@ -63,17 +74,29 @@ class EngineConstants(_Strict):
             )
         return self
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int) -> float:
-        return self.step_base_s + self.prefill_token_s * prefill_tokens + self.decode_seq_s * decode_seqs
+    def step_s(self, prefill_tokens: int, decode_seqs: int, pairs: float = 0.0) -> float:
+        """One step; `pairs` is Σ `attention_pairs(c, k)` over its prefill chunks."""
+        return (self.step_base_s + self.prefill_token_s * prefill_tokens + self.decode_seq_s * decode_seqs
+                + self.prefill_attention_s * pairs)
 
-    def prefill_s(self, prompt_tokens: int) -> float:
-        """A lone prefill, chunked by the step token budget (each chunk pays the step base)."""
+    def prefill_s(self, prompt_tokens: int, context_tokens: int = 0) -> float:
+        """A lone prefill of `prompt_tokens` after `context_tokens` already in its KV (a prefix-cache
+        hit), chunked by the step token budget: each chunk pays the step base, and the chunks'
+        attention adds up to `attention_pairs(prompt_tokens, context_tokens)` however they are cut."""
         chunks = -(-prompt_tokens // self.max_batched_tokens)
-        return self.prefill_overhead_s + chunks * self.step_base_s + self.prefill_token_s * prompt_tokens
+        return (self.prefill_overhead_s + chunks * self.step_base_s + self.prefill_token_s * prompt_tokens
+                + self.prefill_attention_s * attention_pairs(prompt_tokens, context_tokens))
 
     def decode_token_s(self, concurrency: int) -> float:
         """τ_dec at a given number of co-running sequences (≥ 1)."""
         return self.step_base_s + self.decode_seq_s * max(1, concurrency)
+
+
+def attention_pairs(chunk_tokens: int, context_tokens: int) -> float:
+    """The attention work of a prefill chunk of c tokens over k tokens already computed, in
+    (query, key) token pairs: each new token attends to the context and, causally, to the chunk
+    before it — c·k + c²/2 (the continuous form, so that the chunks of one prompt sum to p²/2)."""
+    return chunk_tokens * (context_tokens + chunk_tokens / 2)
 
 
 class TransferConstants(_Strict):

@@ -8,7 +8,8 @@ What is modelled (vLLM v1 scheduler semantics):
 - one step at a time; each step decodes one token for every running sequence, then fills the rest
   of the token budget (`max_batched_tokens`) with prefill chunks — chunked prefill — first for
   requests already prefilling, then by admitting waiting requests in FCFS order;
-- step time from the calibrated cost model: base + τ_pre·prefill tokens + per-sequence decode cost,
+- step time from the calibrated cost model: base + τ_pre·prefill tokens + per-sequence decode cost
+  + the prefill chunks' attention over their context (c·(k + c/2) for a chunk of c tokens after k),
   plus the per-prefill overhead for each prefill the step finishes;
 - at most `max_num_seqs` running sequences;
 - paged KV: a sequence holds ceil(tokens / block_size) blocks; blocks are allocated as chunks and
@@ -21,9 +22,9 @@ What is modelled (vLLM v1 scheduler semantics):
   with blocks for the whole prompt, hold them during the transfer without computing, and then
   decode (their first step produces the first token).
 
-What is not: prefix caching, speculative decoding, the dependence of step time on context
-length, CPU-side overheads (tokenisation, detokenisation, HTTP) and the block that vLLM writes
-for the last prompt token on the decode side (one token per request).
+What is not: prefix caching, speculative decoding, the dependence of a decode step's time on its
+sequences' context length, CPU-side overheads (tokenisation, detokenisation, HTTP) and the block
+that vLLM writes for the last prompt token on the decode side (one token per request).
 
 Speed: decoding sequences share one step counter, so advancing the whole batch is O(1); between
 events (an arrival, a completion, running out of blocks) the model plans a *macro step* of k
@@ -37,7 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from disagg.core.cost_model import EngineConstants
+from disagg.core.cost_model import EngineConstants, attention_pairs
 
 
 class JobState(Enum):
@@ -267,7 +268,9 @@ class EngineModel:
         if chunks:
             self._k = 1
             finishing = sum(1 for job, c in chunks if job.computed + c >= job.prefill_goal)
-            self._dur = self.c.step_s(sum(c for _, c in chunks), n) + self.c.prefill_overhead_s * finishing
+            # each chunk attends to what its job has computed so far (advanced only at end_step)
+            pairs = sum(attention_pairs(c, job.computed) for job, c in chunks) if self.c.prefill_attention_s else 0.0
+            self._dur = self.c.step_s(sum(c for _, c in chunks), n, pairs) + self.c.prefill_overhead_s * finishing
         elif n:
             while self._fin and self._fin[0][3].epoch != self._fin[0][2]:
                 heapq.heappop(self._fin)

@@ -2,11 +2,12 @@
 
 import random
 
+import numpy as np
 import pytest
 
 from calibration.fit import (
     LOOSE_FACTOR, REFERENCE_PROMPT, SLO_HEADROOM, CalibrationError, Measurements, Sample, fit_cost_model, fit_linear,
-    held_out_error, serving_overhead,
+    held_out_error, nnls, serving_overhead,
 )
 from disagg.core.types import SloClass
 
@@ -141,3 +142,96 @@ def test_the_serving_path_overhead_enters_the_ttft_targets_and_is_what_the_engin
     assert serving_overhead(bare, 64, [engines / 2]) == 0.0  # faster than the engines: noise, not negative
     with pytest.raises(CalibrationError, match="no requests"):
         serving_overhead(bare, 64, [])
+
+
+# --- the attention term: a lone prefill of p tokens = base + overhead + τ_pre·p + τ_attn·p²/2 ---
+
+LADDER = (16, 23, 32, 45, 64, 91, 128, 181, 256, 362, 512, 724, 1024, 1448, 1984)  # Plan's, max_model_len 2048
+# like tiny:small on a 2-core CPU: at 1,984 tokens the attention is ~40% of the prefill
+QUADRATIC = dict(base=0.0028, overhead=0.001, tau_pre=3.0e-5, attn=2.0e-8)
+
+
+def with_prefill(m: Measurements, noise: float, seed: int, lengths=LADDER, repeats: int = 3, **t) -> Measurements:
+    rng = random.Random(seed)
+    m.prefill = [Sample(p, (t["base"] + t["overhead"] + t["tau_pre"] * p + t["attn"] * p * p / 2)
+                        * (1 + rng.uniform(-noise, noise))) for p in lengths for _ in range(repeats)]
+    return m
+
+
+def quadratic(noise: float, seed: int = 0, **kw) -> Measurements:
+    t = {**QUADRATIC, **kw}
+    return with_prefill(synthetic(0.0, base=t["base"]), noise, seed, **t)
+
+
+def test_the_plan_is_a_geometric_ladder_up_to_the_longest_prompt():
+    from calibration.measure import Plan
+
+    assert Plan.for_context(2048, 64, quick=False).prefill_lengths == LADDER
+    quick = Plan.for_context(8192, 64, quick=True).prefill_lengths
+    assert quick[0] == 16 and quick[-1] == 8192 - 64 and all(b <= 2 * a for a, b in zip(quick, quick[1:]))
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.01, 0.02])
+def test_recovers_the_attention_term_from_a_quadratic_prefill(noise):
+    for seed in range(5):
+        cm, report = fit_cost_model(quadratic(noise, seed), "t")
+        e = cm.engine
+        tol = max(noise, 1e-6)  # ±2% noise: the attention term within 8%, a prefill's time within 2%
+        assert e.prefill_attention_s == pytest.approx(QUADRATIC["attn"], rel=4 * tol)
+        assert report.prefill.attention == e.prefill_attention_s
+        assert e.prefill_token_s == pytest.approx(QUADRATIC["tau_pre"], rel=2 * tol)
+        assert e.prefill_overhead_s == pytest.approx(QUADRATIC["overhead"], rel=3 * tol)
+        for p in (40, 300, 1700):  # lengths not in the fit
+            truth = QUADRATIC["base"] + QUADRATIC["overhead"] + QUADRATIC["tau_pre"] * p + QUADRATIC["attn"] * p * p / 2
+            assert e.prefill_s(p) == pytest.approx(truth, rel=tol)
+
+
+def test_the_attention_term_is_what_makes_a_quadratic_prefill_predictable():
+    m = quadratic(0.02)
+    cm, _ = fit_cost_model(m, "t")
+    fresh = quadratic(0.02, seed=7)
+    with_term = held_out_error(cm, fresh.prefill, fresh.decode)
+    linear = cm.model_copy(update={"engine": cm.engine.model_copy(update={"prefill_attention_s": 0.0})})
+    without = held_out_error(linear, fresh.prefill, fresh.decode)
+    assert with_term["p90_rel_error"] < 0.03 < 0.2 < without["p90_rel_error"]
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.02, 0.05])
+def test_a_linear_prefill_gets_no_attention_term(noise):
+    for seed in range(5):
+        m = with_prefill(synthetic(0.0), noise, seed, **TRUE, attn=0.0)
+        cm, report = fit_cost_model(m, "t")
+        assert cm.engine.prefill_attention_s == 0.0 == report.prefill.attention
+        assert cm.engine.prefill_token_s == pytest.approx(TRUE["tau_pre"], rel=max(noise, 1e-6))
+
+
+def test_too_few_lengths_to_identify_the_term_fit_the_linear_model():
+    # three lengths (and one repeat: no noise estimate) cannot tell a curve from its chord
+    m = with_prefill(synthetic(0.0, base=QUADRATIC["base"]), 0.0, 0, lengths=(64, 512, 1984), **QUADRATIC)
+    cm, report = fit_cost_model(m, "t")
+    assert cm.engine.prefill_attention_s == 0.0 and report.prefill.attention_stderr == float("inf")
+    assert cm.engine.prefill_token_s > QUADRATIC["tau_pre"]  # the chord's slope
+
+
+def test_a_negligible_attention_term_is_dropped():
+    # a real but tiny curve (< 2% of the longest prefill) is not worth a constant
+    m = quadratic(0.0, attn=1e-10)
+    assert fit_cost_model(m, "t")[0].engine.prefill_attention_s == 0.0
+
+
+def test_chunked_prompts_pay_a_step_base_per_chunk():
+    m = with_prefill(synthetic(0.0, base=QUADRATIC["base"]), 0.0, 0, lengths=(64, 256, 1024, 2048, 4096, 8128),
+                     **QUADRATIC)
+    for s in m.prefill:  # the engine's chunked prefill: one more step base per 2,048 tokens
+        object.__setattr__(s, "seconds", s.seconds + QUADRATIC["base"] * (-(-s.x // 2048) - 1))
+    cm, _ = fit_cost_model(m, "t")
+    assert cm.engine.prefill_attention_s == pytest.approx(QUADRATIC["attn"], rel=1e-6)
+    assert all(cm.engine.prefill_s(int(s.x)) == pytest.approx(s.seconds, rel=1e-6) for s in m.prefill)
+
+
+def test_nnls_is_exact_on_the_boundary():
+    a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    assert nnls(a, np.array([1.0, 2.0, 3.0])) == pytest.approx([1.0, 2.0])
+    # unconstrained: x = (-1, 2); constrained: x0 = 0 and x1 fits what is left
+    x = nnls(a, np.array([-1.0, 2.0, 1.0]))
+    assert x[0] == 0.0 and x[1] == pytest.approx(1.5)

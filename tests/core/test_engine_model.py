@@ -1,8 +1,9 @@
 """The engine model on its own: step times, chunking, KV accounting, preemption."""
 
 import pytest
+import yaml
 
-from disagg.core.cost_model import EngineConstants
+from disagg.core.cost_model import CostModel, CostModelError, EngineConstants, load_profile, shipped_profiles
 from disagg.core.engine_model import EngineModel, Job, JobState
 
 
@@ -136,3 +137,84 @@ def test_can_ever_fit():
     e = EngineModel("d", consts(kv_capacity_tokens=64))
     assert e.can_ever_fit(63)
     assert not e.can_ever_fit(64)
+
+
+# --- the attention term: a prefill chunk of c tokens after k pays prefill_attention_s·c·(k + c/2) ---
+
+ATTN = 1e-6  # s per (token, context token) pair: large, so that every step time below shows it
+
+
+def test_chunked_prefill_pays_attention_over_the_context_each_chunk_attends_to():
+    c = consts(prefill_attention_s=ATTN)
+    e = EngineModel("p", c)
+    e.submit(Job("a", prompt=100, target=1, prefill_only=True))
+    first = e.poke(0.0)
+    # chunk 1: 64 tokens over an empty context, 64·32 = 2,048 pairs
+    assert first == pytest.approx(0.01 + 0.064 + 2048e-6, abs=1e-12)
+    e.end_step(first)
+    end = e.poke(first)
+    # chunk 2: 36 tokens over the 64 computed, 36·(64 + 18) = 2,952 pairs
+    assert end - first == pytest.approx(0.01 + 0.036 + 2952e-6, abs=1e-12)
+    assert end - first == pytest.approx(c.prefill_s(36, context_tokens=64), abs=1e-12)  # as after a cached prefix
+    # the chunks add up to p²/2 = 5,000 pairs: the lone prefill time of the cost model
+    assert end == pytest.approx(0.125, abs=1e-12) and end == pytest.approx(c.prefill_s(100), abs=1e-12)
+
+
+def test_each_chunk_of_a_shared_step_attends_to_its_own_context():
+    e = EngineModel("d", consts(prefill_attention_s=ATTN))
+    e.submit(Job("old", prompt=100, target=3))
+    e.submit(Job("new", prompt=20, target=3))
+    e.end_step(e.poke(0.0))  # old's first 64 tokens
+    start = 0.01 + 0.064 + 2048e-6
+    end = e.poke(start)
+    # old's last 36 over 64 computed (2,952 pairs) and all 20 of new over nothing (20·10 = 200)
+    assert end - start == pytest.approx(0.01 + 0.056 + 3152e-6, abs=1e-12)
+
+
+def test_decode_steps_pay_no_attention():
+    c = consts(prefill_attention_s=ATTN)
+    e = EngineModel("d", c)
+    job = Job("a", prompt=40, target=10)
+    e.submit(job)
+    run_until_idle(e)
+    prefill = 0.01 + 40 * 0.001 + 40 * 20 * ATTN
+    assert job.t_first == pytest.approx(prefill, abs=1e-12)
+    assert job.t_last - job.t_first == pytest.approx(9 * (0.01 + 0.002), abs=1e-12)
+
+
+def test_a_recomputed_prefill_pays_its_attention_again_from_an_empty_context():
+    # prompt + the tokens generated before the preemption are recomputed as one prefill
+    c = consts(prefill_attention_s=ATTN, max_batched_tokens=512)
+    e = EngineModel("d", c)
+    job = Job("a", prompt=30, target=5)
+    job.generated, job.prefill_goal = 4, 34  # as `_preempt_newest` leaves it
+    e.submit(job)
+    assert e.poke(0.0) == pytest.approx(0.01 + 0.034 + 34 * 17 * ATTN, abs=1e-12)
+
+
+def test_without_the_term_the_step_model_is_the_linear_one():
+    linear, zero = consts(), consts(prefill_attention_s=0.0)
+    assert linear.prefill_attention_s == 0.0
+    for p in (1, 64, 65, 1000):
+        assert zero.prefill_s(p) == linear.prefill_s(p) == -(-p // 64) * 0.01 + p * 0.001
+    assert consts(prefill_attention_s=ATTN).prefill_s(1000) == pytest.approx(linear.prefill_s(1000) + 0.5)
+
+
+def test_profiles_and_files_without_the_term_still_load(tmp_path):
+    for name in shipped_profiles():
+        assert load_profile(name).engine.prefill_attention_s == 0.0
+    old = load_profile("cpu-tiny").to_dict()
+    del old["engine"]["prefill_attention_s"]  # a file written before the term existed
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old))
+    assert CostModel.load(path).engine.prefill_attention_s == 0.0
+    old["engine"]["prefill_attention_s"] = 2e-9
+    CostModel.from_dict(old).save(path)
+    assert CostModel.load(path).engine.prefill_attention_s == 2e-9
+
+
+@pytest.mark.parametrize("bad", [-1e-9, 1e-3])
+def test_an_attention_term_that_cannot_be_seconds_per_pair_is_refused(bad):
+    with pytest.raises(CostModelError, match="prefill_attention_s"):
+        CostModel.from_dict({**load_profile("cpu-tiny").to_dict(),
+                             "engine": {**load_profile("cpu-tiny").engine.model_dump(), "prefill_attention_s": bad}})

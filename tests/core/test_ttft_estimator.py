@@ -150,6 +150,7 @@ KV_TIGHT = (("kv_capacity_tokens", 1024),)
 KV_VERY_TIGHT = (("kv_capacity_tokens", 512), ("max_batched_tokens", 256))
 FEW_SEQS = (("max_num_seqs", 4),)
 SLOW_STEPS = (("step_base_s", 0.05), ("decode_seq_s", 0.004))
+ATTENTION = (("prefill_attention_s", 2e-7),)  # a 1,500-token prompt: 0.3 s linear + 0.225 s attention
 
 CASES = [
     # light load, short prompts: mostly no wait
@@ -173,6 +174,12 @@ CASES = [
     *[Case(s, "decode", 25.0, (16, 400), (5, 60), transfer=(0.001, 0.05), engine=SLOW_STEPS) for s in range(32, 36)],
     # the max_num_seqs cap binds
     *[Case(s, "colocated", 6.0, (8, 100), (20, 100), engine=FEW_SEQS) for s in range(29, 32)],
+    # prefill time quadratic in the prompt: chunks attend to their context, partial prefills and
+    # recomputes included
+    *[Case(s, "colocated", 2.5, (600, 3000), (5, 80), probe_prompt=1500, engine=ATTENTION) for s in range(36, 38)],
+    *[Case(s, "mixed", 8.0, (8, 1000), (5, 200), engine=ATTENTION) for s in range(38, 40)],
+    *[Case(s, "mixed", 12.0, (16, 150), (30, 200), engine=KV_VERY_TIGHT + ATTENTION, probe_prompt=100)
+      for s in range(40, 42)],
 ]
 
 
@@ -295,6 +302,26 @@ def test_idle_engine_ttft_is_the_lone_prefill_time(prompt, prefill_only):
     assert est.ttft_s == pytest.approx(c.prefill_s(prompt), abs=1e-12)
     assert est.prefill_s == est.ttft_s
     assert est.steps == -(-prompt // c.max_batched_tokens)
+
+
+@pytest.mark.parametrize("prompt", [1, 100, 512, 513, 2000])
+def test_idle_engine_ttft_with_attention_is_quadratic_in_the_prompt(prompt):
+    c, linear = consts(prefill_attention_s=2e-7), consts()
+    est = estimate_ttft(c, InstanceSnapshot(), prompt)
+    # however the prompt is chunked, its chunks attend to p²/2 (token, context token) pairs
+    assert est.ttft_s == pytest.approx(linear.prefill_s(prompt) + 2e-7 * prompt * prompt / 2, abs=1e-12)
+    assert est.ttft_s == pytest.approx(c.prefill_s(prompt), abs=1e-12)
+
+
+def test_a_partial_prefill_ahead_attends_to_what_it_has_computed():
+    c = consts(prefill_attention_s=1e-6, max_batched_tokens=64)
+    snap = InstanceSnapshot(running=(RunningRequest(100, 0, 1, kv_tokens=40, prefilling=True),))
+    est = estimate_ttft(c, snap, 20)
+    # its last 60 tokens over 40 computed (60·70 pairs) and 4 of ours (4·2); then our last 16 over 4
+    step1 = c.step_s(64, 0) + c.prefill_overhead_s + 1e-6 * (60 * 70 + 4 * 2)
+    step2 = c.step_s(16, 0) + c.prefill_overhead_s + 1e-6 * 16 * (4 + 8)
+    assert est.wait_s == 0.0
+    assert est.ttft_s == pytest.approx(step1 + step2, abs=1e-12)
 
 
 def test_idle_decode_engine_remote_kv_is_transfer_plus_one_decode_step():
