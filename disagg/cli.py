@@ -10,84 +10,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
 from disagg.core.cost_model import CostModelError, load_profile
-from disagg.core.policies import PolicyError, known_policies, policy_class
+from disagg.core.policies import PolicyError, known_policies
 from disagg.core.types import SloClass
+from disagg.files import json_safe, write_json_atomic
+from disagg.sim import studies
 from disagg.sim.simulator import Topology
 from disagg.sim.traces import TraceError, read_trace, trace_stats
+from disagg.user_input import UsageError, data_dir, parse_policies, resolve_trace
 
 DEFAULT_POLICIES = "round_robin,least_loaded,length_heuristic,marginal_cost,oracle"
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
-
-
-def data_dir() -> Path:
-    """Where real traces live: $DISAGG_TRACE_DIR, else ./data/traces."""
-    return Path(os.environ.get("DISAGG_TRACE_DIR", "data/traces"))
-
-
-def resolve_trace(name_or_path: str) -> Path:
-    """A path, or a bare trace name looked up in the data directory (`azure_conv_2023`)."""
-    p = Path(name_or_path)
-    if p.exists():
-        return p
-    for candidate in (data_dir() / name_or_path, data_dir() / f"{name_or_path}.csv"):
-        if candidate.exists():
-            return candidate
-    raise UsageError(
-        f"trace {name_or_path!r} not found (looked in {data_dir()}; set DISAGG_TRACE_DIR, "
-        "or fetch the public traces with `disagg traces download`)"
-    )
-
-
-def parse_policies(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names:
-        raise UsageError("--policies is empty")
-    for n in names:
-        try:
-            policy_class(n)
-        except PolicyError as e:
-            raise UsageError(str(e)) from None
-    return names
-
-
-def write_json_atomic(path: Path, data) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=_json_default)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _json_default(x):
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
-
-
-def json_safe(obj):
-    """NaN and infinities are not JSON: write null (recursively through dicts and lists)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 class Progress:
@@ -267,7 +203,7 @@ def cmd_traces_generate(args) -> int:
     if not (math.isfinite(args.rate) and args.rate > 0):
         raise UsageError(f"--rate must be a positive finite req/s, got {args.rate}")
     try:
-        trace = generate(args.workload, args.requests, args.rate, args.seed)
+        trace = generate(args.workload, args.requests, args.rate, args.seed, args.max_context_tokens)
     except ValueError as e:  # an unknown name: the message lists the known ones
         raise UsageError(str(e)) from None
     write_native(Path(args.out), trace)
@@ -282,8 +218,6 @@ def cmd_traces_stats(args) -> int:
 
 
 def cmd_study(args) -> int:
-    from disagg.sim import studies
-
     return studies.main(args)
 
 
@@ -390,7 +324,8 @@ def cmd_calibrate(args) -> int:
                      ("r2", "R²", ".4f"), ("n", "points", "d"), ("residual_p50", "|resid| p50", ".1%"),
                      ("residual_p90", "|resid| p90", ".1%")]))
     e = cm.engine
-    print(f"\nτ_pre {e.prefill_token_s * 1e6:.2f} µs/token, step base {e.step_base_s * 1e3:.3f} ms, "
+    print(f"\nτ_pre {e.prefill_token_s * 1e6:.2f} µs/token, attention {e.prefill_attention_s * 1e9:.3g} ns per "
+          f"(token, context token), step base {e.step_base_s * 1e3:.3f} ms, "
           f"τ_seq {e.decode_seq_s * 1e6:.1f} µs/sequence, KV {e.kv_capacity_tokens} tokens, "
           f"transfer {cm.transfer.latency_s * 1e3:.2f} ms + {cm.transfer.tokens_per_s:,.0f} tokens/s, "
           f"serving path {cm.serving_overhead_s * 1e3:.1f} ms" + ("" if args.url else " (not measured: no --url)"))
@@ -432,6 +367,7 @@ def cmd_tiny_model(args) -> int:
 def cmd_bench(args) -> int:
     """`disagg bench`: policies against the live app and/or the simulator (disagg/bench/harness.py)."""
     from disagg.bench.harness import BenchConfig, BenchError, GateFailed, parse_baseline, run_bench
+    from disagg.bench.report import capacity_markdown
 
     if args.url is None and not args.sim:
         raise UsageError("give --url (the live app) and/or --sim")
@@ -450,7 +386,7 @@ def cmd_bench(args) -> int:
         topology=args.topology, max_model_len=args.max_model_len, request_timeout_s=args.request_timeout,
         lag_bound_s=args.lag_bound_ms / 1e3, probe_requests=args.probe_requests,
         probe_seconds=args.probe_seconds, probe_iterations=args.probe_iterations, realtime=args.realtime,
-        baselines=baselines,
+        baselines=baselines, capacity=args.capacity, capacity_steps=args.capacity_steps,
     )
     try:
         results = run_bench(cfg, progress=lambda total, label: Progress(total, label))
@@ -464,16 +400,20 @@ def cmd_bench(args) -> int:
     for label, row in results["tables"]["goodput"].items():
         rows.append({"policy": label, **{t: row.get(t) for t in traces}, "mean": row.get("mean"),
                      "spread": row.get("spread")})
-    print("goodput (share of requests meeting both SLO targets of cost model "
-          f"{results['cost_model']['name']}):")
-    print(fmt_table(rows, [("policy", "policy", "s"), *((t, t, ".3f") for t in traces), ("mean", "mean", ".3f"),
-                           ("spread", "± std", ".3f")]))
-    print()
-    print(fmt_table(results["runs"], [("system", "system", "s"), ("policy", "policy", "s"), ("trace", "trace", "s"),
-                                      ("requests", "requests", "d"), ("failed", "failed", "d"),
-                                      ("goodput", "goodput", ".3f"), ("ttft_p50_s", "TTFT p50 s", ".3f"),
-                                      ("ttft_p99_s", "TTFT p99 s", ".3f"), ("tpot_p50_s", "TPOT p50 s", ".4f"),
-                                      ("tpot_p99_s", "TPOT p99 s", ".4f"), ("send_lag_p99_s", "lag p99 s", ".4f")]))
+    if results["runs"]:  # none in a --capacity run
+        print("goodput (share of requests meeting both SLO targets of cost model "
+              f"{results['cost_model']['name']}):")
+        print(fmt_table(rows, [("policy", "policy", "s"), *((t, t, ".3f") for t in traces), ("mean", "mean", ".3f"),
+                               ("spread", "± std", ".3f")]))
+        print()
+        print(fmt_table(results["runs"], [("system", "system", "s"), ("policy", "policy", "s"), ("trace", "trace", "s"),
+                                          ("requests", "requests", "d"), ("failed", "failed", "d"),
+                                          ("goodput", "goodput", ".3f"), ("ttft_p50_s", "TTFT p50 s", ".3f"),
+                                          ("ttft_p99_s", "TTFT p99 s", ".3f"), ("tpot_p50_s", "TPOT p50 s", ".4f"),
+                                          ("tpot_p99_s", "TPOT p99 s", ".4f"), ("send_lag_p99_s", "lag p99 s", ".4f")]))
+    capacity = capacity_markdown(results["resolved"], traces)
+    if capacity:
+        print("\n" + "\n".join(capacity))
     for w in results["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     print(f"\nwrote {cfg.out}/results.json, results.md, requests.jsonl, goodput.png, ttft_cdf.png")
@@ -522,6 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--requests", type=int, default=4000)
     gen.add_argument("--rate", type=float, default=10.0, help="mean arrival rate (req/s)")
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-context-tokens", type=int, default=None,
+                     help="multi_turn_chat: end conversations before prompt + answer exceed this (the model's context)")
     gen.add_argument("--out", required=True, help="native CSV to write (atomically)")
     gen.set_defaults(func=cmd_traces_generate)
     st = trs.add_parser("stats", help="summary statistics of a trace")
@@ -531,9 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     study = sub.add_parser("study", help="the simulator studies (pool width, predictor noise, miscalibration, sizing, "
                                          "latency-aware routing across models)")
-    from disagg.sim.studies import add_arguments
-
-    add_arguments(study)
+    studies.add_arguments(study)
     study.set_defaults(func=cmd_study)
 
     cal = sub.add_parser("calibrate", help="measure this hardware with real engines and write a cost model")
@@ -581,6 +521,11 @@ def build_parser() -> argparse.ArgumentParser:
     brate.add_argument("--rate", type=float, help="rescale each trace slice to this mean arrival rate (req/s)")
     brate.add_argument("--saturation", action="store_true",
                        help="find round robin's mid-collapse rate first (live: slow probing; see --probe-*)")
+    bench.add_argument("--capacity", type=float, nargs="?", const=0.9, default=None, metavar="ATTAINMENT",
+                       help="instead of fixed-rate runs, search each policy's SLO capacity: the highest rate at which "
+                            "this share (default 0.9) of requests meet both SLO targets (probes sized by --probe-*; "
+                            "--rate is the search's start)")
+    bench.add_argument("--capacity-steps", type=int, default=3, help="bisection steps of the capacity search")
     bench.add_argument("--duration", type=float, help="cut each slice at this many seconds (after rescaling)")
     bench.add_argument("--max-requests", type=int, default=0, help="use only the first N requests of each trace")
     bench.add_argument("--tight-share", type=float, default=0.5, help="share of requests in the tight SLO class")

@@ -6,7 +6,8 @@
 - `set_cost_model(body)`: reload a model's cost model: a shipped profile name, or a YAML file inside
   `router.cost_model_dir` (`access.CostModelFiles`; anything else is one 400 that does not
   say whether the path exists);
-- `reset_prefix_cache()`: drop every engine's cached prefixes (between benchmark runs).
+- `reset_prefix_cache()`: drop every engine's cached prefixes (between benchmark runs), and
+  `forget_prefixes()` this router replica's index of them (the ingress has every replica do it).
 A body naming no `model` applies to every model. Invalid bodies raise `ApiError` (400) naming the
 field, and change nothing: every target's new policy is built before any is swapped in.
 Who may call these is the ingress's business (`access.Access.admin`), checked before they run.
@@ -48,14 +49,21 @@ class Admin:
             "cost_model": first.cost_model.name, "alias": self.alias, "lambda": self.lam,
             "models": {m.name: {"policy": m.policy.name, "policy_params": m.policy_params,
                                 "cost_model": m.cost_model.name,
-                                "layout": "colocated" if m.cfg.is_colocated else "disaggregated"}
+                                "layout": "colocated" if m.cfg.is_colocated else "disaggregated",
+                                "prefix_index_block_tokens": m.prefix_index.block_tokens if m.prefix_index else None}
                        for m in self.models.values()},
             "instances": {i.instance_id: {"role": i.role.value, "model": i.model, **i.report.as_dict(),
                                           "backlog_s": self.ledger.backlog_s(i.instance_id),
-                                          "queued": self.ledger.queued(i.instance_id)}
+                                          "queued": self.ledger.queued(i.instance_id),
+                                          "prefix_index_blocks": self._indexed_blocks(i.model, i.instance_id)}
                           for i in self.registry.instances.values()},
             "in_flight": len(self.ledger), "counters": asdict(self.counters),
         }
+
+    def _indexed_blocks(self, model: str, instance_id: str) -> int:
+        """Blocks this router replica's prefix index believes the instance holds."""
+        index = self.models[model].prefix_index
+        return index.blocks_held().get(instance_id, 0) if index else 0
 
     def _targets(self, body: dict) -> list[ServedModel]:
         """The models an admin call applies to: `model` in the body, else all of them."""
@@ -111,6 +119,13 @@ class Admin:
             raise ApiError(str(e), param="cost_model") from None
         m.cost_model, m.policy = cm, policy
         return {"cost_model": cm.name, "calibrated": cm.calibrated, "model": m.name}
+
+    def forget_prefixes(self, raw_body: bytes = b"") -> dict:
+        """Empty this replica's prefix index (the engines' caches were reset)."""
+        for m in self.models.values():
+            if m.prefix_index is not None:
+                m.prefix_index.clear()
+        return {}
 
     async def reset_prefix_cache(self) -> dict:
         out = {}

@@ -48,8 +48,9 @@ from disagg.core.ledger import Ledger, admission_work
 from disagg.core.latency_routing import ModelInstance, route_by_latency
 from disagg.core.policies import Colocated
 from disagg.core.predictor import BucketMeanPredictor
+from disagg.core.prefix_index import PrefixIndex, prompt_block_hashes
 from disagg.core.ttft_estimator import TtftEstimateError
-from disagg.core.types import Decision, NoCapacity, RequestFeatures, Role, SloClass
+from disagg.core.types import Decision, InstanceView, NoCapacity, RequestFeatures, Role, SloClass
 from disagg.core.utility import AccuracyTable, Choice
 from serve_app.instance_state import FlightFacts, instance_snapshot
 from serve_app.metrics import RouterMetrics
@@ -95,6 +96,9 @@ class Flight:
     first_chunk: DecodeChunk | None = None  # received before answering, relayed first
     output_ids: list[int] = field(default_factory=list)  # output tokens relayed so far (a migration prefills them)
     migrated_from: list[str] = field(default_factory=list)  # decode instances that failed mid-stream
+    prefix_hashes: tuple[int, ...] = ()  # the prompt's block hashes, when the model has a prefix index
+    cached_predicted: dict[str, int] | None = None  # prompt tokens the index thought each chosen instance held
+    prefill_cached_tokens: int | None = None  # ... and what the prefill engine's prefix cache supplied
     finish_reason: str | None = None
     finished: bool = False
 
@@ -284,7 +288,13 @@ class Dispatcher:
         max_tokens = f.sampling["max_tokens"]
         if f.choice is None:
             f.predicted = max_tokens if f.req.ignore_eos else min(max_tokens, m.predictor.predict(p, f.slo))
-        feats = RequestFeatures(f.rid, p, f.predicted, f.slo)
+        index = m.prefix_index
+        if index is not None:
+            f.prefix_hashes = prompt_block_hashes(f.prompt_ids, index.block_tokens)
+            feats = RequestFeatures(f.rid, p, f.predicted, f.slo, prefix_hashes=f.prefix_hashes,
+                                    prefix_block_tokens=index.block_tokens)
+        else:
+            feats = RequestFeatures(f.rid, p, f.predicted, f.slo)
         t0 = time.perf_counter()
         decode_views = self.registry.views(m, m.decode_role)
         if f.choice is not None and m.start_role is Role.PREFILL:  # the alias chose the prefill engine
@@ -307,12 +317,39 @@ class Dispatcher:
             raise _no_capacity(e) from None
         f.decision_us = (time.perf_counter() - t0) * 1e6
         f.decision, f.t_arrival = decision, t_arrival
+        if index is not None:
+            self._note_prefix(f, index, prefill_views + decode_views)
         pw, dw = admission_work(m.cost_model, decision.prefill_id, decision.decode_id, p, f.predicted,
                                 self.ledger.queued(decision.decode_id))
         self.ledger.admit(f.rid, decision.prefill_id, decision.decode_id, pw, dw, p)
         f.work_s = (pw, dw)
         self.flights[f.rid] = f
         f.admitted = True
+
+    def _note_prefix(self, f: Flight, index: PrefixIndex, views: list[InstanceView]) -> None:
+        """Log what the index believed the chosen instances held, then record that they now hold
+        the prompt (the prefill computes it, the decode receives it)."""
+        d = f.decision
+        chosen = {v.instance_id: v for v in views}
+        block, reusable = index.block_tokens, (len(f.prompt_ids) - 1) // index.block_tokens
+        f.cached_predicted = {}
+        for side, iid in (("prefill", d.prefill_id), ("decode", d.decode_id)):
+            if (v := chosen.get(iid)) is not None:
+                f.cached_predicted[side] = min(v.cached_prefix_blocks(f.prefix_hashes), reusable) * block
+        for iid in {d.prefill_id, d.decode_id}:
+            if (inst := self.registry.get(iid)) is not None:
+                index.record(iid, f.prefix_hashes, inst.polled.kv_capacity_tokens)
+
+    def _note_output(self, f: Flight) -> None:
+        """The decode that served `f` caches its prompt and output (all but the last token's KV,
+        never computed): the next turn of the conversation starts with them."""
+        index = f.model.prefix_index if f.model else None
+        inst = self.registry.get(f.actual_decode) if f.actual_decode else None
+        if index is None or inst is None or not f.output_ids:
+            return
+        sequence = f.prompt_ids + f.output_ids[:-1]
+        index.record(inst.instance_id, prompt_block_hashes(sequence, index.block_tokens, f.prefix_hashes),
+                     inst.polled.kv_capacity_tokens)
 
     # --- prefill, then the decode's first token ------------------------------------------------
 
@@ -345,6 +382,7 @@ class Dispatcher:
                 self.counters.misrouted += 1
             f.actual_prefill = f"{m.id_prefix}prefill-{reply.replica}"
             f.prefill_engine_s = reply.engine_ttft_s
+            f.prefill_cached_tokens = reply.cached_tokens
             return reply.kv_transfer_params
         self.counters.local_prefill_fallbacks += 1
         f.fallback = "local_prefill"
@@ -534,6 +572,8 @@ class Dispatcher:
         f.finished = True
         if f.admitted:
             self.ledger.finish(f.rid)
+        if error is None:
+            self._note_output(f)
         self.flights.pop(f.rid, None)
         record = request_record(f, error, time.monotonic(), self.multi_model, self.router_id)
         self.log.write(record)

@@ -147,6 +147,7 @@ class PrefillResult:
     first_token_id: int  # the token prefill sampled; decode samples its own (same under greedy)
     prompt_tokens: int
     engine_ttft_s: float  # wall time from prefill() call to the engine's output, this process
+    cached_tokens: int = 0  # prompt tokens vLLM took from its prefix cache instead of computing
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +179,7 @@ class EngineState:
     kv_transfers_ok: int
     kv_transfers_failed: int
     kv_received_tokens: int = 0
+    block_size: int = 0  # tokens per KV block (0 before the engine started)
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,6 +341,7 @@ class VllmEngine:
         self._llm: AsyncLLM | None = None
         self._stats = _StatsRecorder()
         self._kv_capacity_tokens = 0
+        self._block_size = 0
         self._aborted: dict[str, None] = {}  # ids aborted on request, oldest first (an ordered set)
         self.start_time_s: float | None = None  # how long start() took
 
@@ -361,7 +364,8 @@ class VllmEngine:
             raise
         self._llm = box.take()
         cache = self._llm.vllm_config.cache_config
-        self._kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+        self._block_size = int(cache.block_size)
+        self._kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * self._block_size
         self.start_time_s = time.perf_counter() - t0
         logger.info("engine %s (%s, port %d) ready in %.1f s, KV capacity %d tokens",
                     self.spec.model, self.spec.role.value, self.spec.side_channel_port,
@@ -465,6 +469,7 @@ class VllmEngine:
             first_token_id=int(final.outputs[0].token_ids[0]),
             prompt_tokens=len(prompt_token_ids),
             engine_ttft_s=ttft,
+            cached_tokens=int(final.num_cached_tokens or 0),
         )
 
     async def decode(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -526,6 +531,7 @@ class VllmEngine:
             kv_transfers_ok=s.xfer_ok,
             kv_transfers_failed=s.xfer_failed,
             kv_received_tokens=s.received_tokens,
+            block_size=self._block_size,
         )
 
     async def reset_prefix_cache(self) -> bool:

@@ -252,7 +252,7 @@ class EngineServer:
         finally:
             self.admitted.remove(call.router, call.work_s)
         return PrefillReply(kv_transfer_params=r.kv_transfer_params, first_token_id=r.first_token_id,
-                            engine_ttft_s=r.engine_ttft_s, replica=self.replica_id)
+                            engine_ttft_s=r.engine_ttft_s, replica=self.replica_id, cached_tokens=r.cached_tokens)
 
     async def decode(self, call: DecodeCall, replica: str | None = None) -> AsyncIterator[DecodeChunk]:
         first = True
@@ -301,7 +301,8 @@ class EngineServer:
             kv_used_tokens=s.kv_used_tokens, kv_capacity_tokens=s.kv_capacity_tokens,
             prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
             kv_transfers_ok=s.kv_transfers_ok, kv_transfers_failed=s.kv_transfers_failed,
-            kv_received_tokens=s.kv_received_tokens, admitted=self.admitted.totals(), pid=os.getpid())
+            kv_received_tokens=s.kv_received_tokens, admitted=self.admitted.totals(), pid=os.getpid(),
+            block_size=s.block_size)
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()

@@ -63,6 +63,7 @@ class PrefillReply:
     first_token_id: int  # the token prefill sampled (decode samples its own; equal under greedy)
     engine_ttft_s: float  # engine-side time from the call to the prefill's output
     replica: str  # the replica that ran it
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache supplied
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,7 @@ class EngineStateReport:
     kv_received_tokens: int  # prompt tokens whose KV arrived from a remote engine
     admitted: dict[str, tuple[float, int]] = field(default_factory=dict)  # router → (work s, calls) it is serving
     pid: int = 0  # the replica's process (its vLLM engine processes are its children)
+    block_size: int = 0  # tokens per KV block (the router's prefix index hashes in multiples of it)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe (the role as its value), for `/admin/state`."""

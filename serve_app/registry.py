@@ -8,7 +8,9 @@ after `STALE_AFTER_S` and its ledger entries are released.
 
 What the policy sees of an instance (`views`) merges the router's in-flight ledger (committed
 work, queue, prompts admitted since the poll) with the instance's latest poll (KV use, and the
-work the *other* router replicas have sent there, from the engine's own per-router ledger).
+work the *other* router replicas have sent there, from the engine's own per-router ledger), and
+the prefixes the model's `PrefixIndex` believes it holds (hashed in multiples of the KV block size
+the engines report).
 A poll failure is logged once per distinct failure, not every 50 ms; a pool with no running
 replica yet (start-up) is simply empty.
 """
@@ -25,6 +27,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 
 from disagg.core.cost_model import EngineConstants
 from disagg.core.ledger import Ledger, PolledState, others
+from disagg.core.prefix_index import PrefixIndex, index_block_tokens
 from disagg.core.types import InstanceView, Role
 from serve_app.config import PoolConfig
 from serve_app.messages import EngineStateReport
@@ -93,6 +96,8 @@ class InstanceRegistry:
                     self._seen(model, role, r, now)
         for iid in [i for i, inst in self.instances.items() if now - inst.last_seen > STALE_AFTER_S]:
             lost = self.ledger.forget_instance(iid)
+            if (index := self.models[self.instances[iid].model].prefix_index) is not None:
+                index.forget(iid)
             del self.instances[iid]
             self.counters.instances_lost += 1
             logger.warning("router: instance %s left (silent %.0f s); %d in-flight requests released",
@@ -102,6 +107,8 @@ class InstanceRegistry:
         iid = f"{model.id_prefix}{role.value}-{r.replica}"
         others_s, others_n = others(r.admitted, self.router_id)  # what the other router replicas sent there
         polled = PolledState(r.kv_used_tokens, r.kv_capacity_tokens, r.running, r.waiting, others_s, others_n)
+        if model.prefix_index is None and r.block_size > 0:  # one model's engines share one block size
+            model.prefix_index = PrefixIndex(index_block_tokens(r.block_size))
         inst = self.instances.get(iid)
         if inst is None:
             self.instances[iid] = Instance(iid, role, model.name, r.replica, r, polled, now)
@@ -125,7 +132,9 @@ class InstanceRegistry:
 
     def views(self, model: ServedModel, role: Role) -> list[InstanceView]:
         """The policy's view of each of the model's live instances of this role."""
-        return [self.ledger.view(i.instance_id, role, i.polled) for i in self.pool(model, role)]
+        index = model.prefix_index
+        return [self.ledger.view(i.instance_id, role, i.polled, index.lookup(i.instance_id) if index else None)
+                for i in self.pool(model, role)]
 
     def constants(self, model: ServedModel, inst: Instance) -> EngineConstants:
         """The model's calibrated constants for this instance, with the KV capacity the engine reports."""

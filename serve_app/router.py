@@ -69,6 +69,7 @@ fastapi_app = FastAPI(title="disagg router")
 logger = logging.getLogger(__name__)
 ADMIN_TIMEOUT_S = 30.0
 METRICS_INTERVAL_S = 1.0  # how often the counters and the instances' load go to Prometheus
+PREFIX_SHARE_INTERVAL_S = 0.1  # how often a router replica sends its new prefix records to the others
 OFF_LOOP_TOKENIZE_CHARS = 16_384  # longer prompts tokenize in a thread (~1 ms per 1,000 characters)
 
 
@@ -173,12 +174,38 @@ class Router:
         self.loop_lag_bound_s = rc.shed_loop_lag_s
         self._lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run())
         self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
+        self._share_task = asyncio.get_running_loop().create_task(self._share_prefixes())
 
     def stop_background(self) -> None:
-        """Stop polling the engines, measuring the loop's lag and exporting metrics (in-process tests
-        drive the first two themselves)."""
-        for task in (self._poll_task, self._lag_task, self._metrics_task):
+        """Stop polling the engines, measuring the loop's lag, exporting metrics and sharing prefix
+        records (in-process tests drive the first two themselves)."""
+        for task in (self._poll_task, self._lag_task, self._metrics_task, self._share_task):
             task.cancel()
+
+    async def _share_prefixes(self) -> None:
+        """Send the prefix records this replica made to the other router replicas, in batches."""
+        while True:
+            await asyncio.sleep(PREFIX_SHARE_INTERVAL_S)
+            batch = {m.name: records for m in self.served.values()
+                     if m.prefix_index is not None and (records := m.prefix_index.take_outbox())}
+            if batch and self._peers is not None:
+                try:
+                    await self._peers.broadcast("learn_prefixes", self.router_id, batch).results_async(
+                        timeout_s=ADMIN_TIMEOUT_S, return_exceptions=True)
+                except Exception as e:  # a peer being replaced: its index starts empty anyway
+                    logger.debug("router: sharing prefix records failed: %s", e)
+
+    async def learn_prefixes(self, sender: str, batch: dict[str, list]) -> None:
+        """Another router replica's prefix records (see `PrefixIndex`); for live instances only."""
+        if sender == self.router_id:
+            return
+        for name, records in batch.items():
+            m = self.served.get(name)
+            if m is None or m.prefix_index is None:
+                continue
+            for iid, hashes, capacity in records:
+                if self.registry.get(iid) is not None:
+                    m.prefix_index.record(iid, hashes, capacity, share=False)
 
     async def _export_metrics(self) -> None:
         """The counters, each instance's load and the loop's lag, to Prometheus once a second."""
@@ -257,11 +284,12 @@ class Router:
         getattr(self.admin, op)(raw_body)
         return self.router_id
 
-    async def _admin_change(self, op: str, raw_body: bytes) -> Response:
+    async def _admin_change(self, op: str, raw_body: bytes, done: dict | None = None) -> Response:
         """Validate and apply here (a 400 changes nothing anywhere), then on every router replica:
-        with several routers, one left on the old policy would route by other rules."""
+        with several routers, one left on the old policy would route by other rules. `done`: what
+        was done before, for the answer."""
         try:
-            out = getattr(self.admin, op)(raw_body)
+            out = {**(done or {}), **getattr(self.admin, op)(raw_body)}
         except ApiError as e:
             return _error(e)
         applied, failed = {self.router_id}, []
@@ -281,7 +309,11 @@ class Router:
 
     @fastapi_app.post("/admin/reset_prefix_cache")
     async def admin_reset_prefix_cache(self, request: Request) -> Response:
-        return self.access.admin(request) or JSONResponse(await self.admin.reset_prefix_cache())
+        """Drop every engine's cached prefixes, then every router replica's index of them."""
+        if (denied := self.access.admin(request)) is not None:
+            return denied
+        engines = await self.admin.reset_prefix_cache()
+        return await self._admin_change("forget_prefixes", b"{}", engines)
 
     # --- one request ---------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from ray.serve.handle import DeploymentHandle
 from disagg.core.cost_model import CostModel
 from disagg.core.policies import Policy, build_policy
 from disagg.core.predictor import BucketMeanPredictor
+from disagg.core.prefix_index import PrefixIndex
 from disagg.core.types import Role
 from disagg.core.utility import ModelPrices
 from serve_app.config import AppConfig, load_cost_model
@@ -49,6 +50,7 @@ class ServedModel:
     prices: ModelPrices | None = None
     decode_stream: Any = None  # the decoding pool's handle in streaming mode
     max_token_chars: int = 0  # the longest vocabulary entry, in characters (0: unknown, no pre-check)
+    prefix_index: PrefixIndex | None = None  # which prefixes each instance holds; from the first engine report on
 
     def __post_init__(self) -> None:
         self.decode_stream = self.handles[self.decode_role].options(stream=True)

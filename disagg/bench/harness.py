@@ -42,6 +42,14 @@ What one invocation does, in this order:
    With `--baseline NAME=URL`, another OpenAI-compatible system (Ray Serve LLM's P/D app, for
    one) gets the same slice right after our policies on each trace, lines with `system: NAME`,
    after its own gates (token count, a warm-up: its instances cannot be addressed or reset).
+   **SLO capacity** (`--capacity A`, instead of the fixed-rate runs): per trace, each policy's
+   highest rate at which a share ≥ A of the requests meet both SLO targets, by the simulator's
+   search (`disagg.sim.runner.capacity_steps`: doubling from the start rate — `--rate`, else the
+   trace's own — then `--capacity-steps` bisection steps on log-rate) with live probes sized as
+   the saturation probes. The policies' searches advance in lockstep, one probe each in turn, so a
+   slow spell of the machine does not land on one policy. Every probe is stored in settings.json
+   as it ends; a resumed run replays them and probes only what is missing. With `--sim` the same
+   searches run in the simulator, with `oracle` (true output lengths) beside them as the bound.
 6. `--sim`: `disagg.sim.runner.simulate` on the same slices, with `--cost-model` and the
    topology (by default the live app's instance counts, else 1P2D); its `RequestRecord`s become
    lines of the same schema with `system: "sim"`.
@@ -82,12 +90,12 @@ from disagg.bench.loadgen import (
     ClientResult, ClientShards, PlannedRequest, event_loop_runner, prompt_seed, realtime_priority, run_open_loop,
     send_one,
 )
-from disagg.cli import json_safe, write_json_atomic
 from disagg.core.cost_model import CostModel, load_profile
 from disagg.core.policies import known_policies, policy_class
 from disagg.core.types import SloClass
+from disagg.files import json_safe, write_json_atomic
 from disagg.sim.metrics import RequestRecord, summarize
-from disagg.sim.runner import saturation_search, saturation_steps  # noqa: F401  (one rule, sim and live)
+from disagg.sim.runner import capacity_steps, saturation_search, saturation_steps  # noqa: F401  (one rule, sim and live)
 from disagg.sim.traces import TraceRequest, assign_slo_classes, read_trace, rescale_to_rate, slice_trace
 
 SETTINGS_FILE = "settings.json"
@@ -130,6 +138,8 @@ class BenchConfig:
     probe_requests: int = 20
     probe_seconds: float = 20.0
     probe_iterations: int = 5
+    capacity: float | None = None  # the SLO-capacity search's attainment (e.g. 0.9); None: fixed-rate runs
+    capacity_steps: int = 3  # its bisection steps after the bracket
     max_connections: int = 4096
     gates: bool = True
     realtime: bool = False  # the generator under SCHED_FIFO (see loadgen.realtime_priority)
@@ -318,7 +328,7 @@ def planned(slice_: Sequence[TraceRequest], trace: str, seed: int, indices: Sequ
     return [PlannedRequest(index=i, at_s=slice_[i].arrival_s - t0, prompt_tokens=slice_[i].prompt_tokens,
                            max_tokens=slice_[i].output_tokens,
                            slo_class=slice_[i].slo_class.value if slice_[i].slo_class else None,
-                           prompt_seed=prompt_seed(seed, stream or trace, i))
+                           prompt_seed=prompt_seed(seed, stream or trace, i), prefix_hashes=slice_[i].prefix_hashes)
             for i in idx]
 
 
@@ -354,6 +364,15 @@ def check_config(cfg: BenchConfig) -> tuple[CostModel, list[TraceInput]]:
         raise BenchError(f"--rate must be a positive number of requests/s, got {cfg.rate}")
     if cfg.rate is not None and cfg.saturation:
         raise BenchError("--rate and --saturation exclude each other")
+    if cfg.capacity is not None:
+        if cfg.saturation or cfg.baselines:
+            raise BenchError("--capacity excludes --saturation and --baseline")
+        if not 0.0 < cfg.capacity <= 1.0:
+            raise BenchError(f"--capacity is the share of requests that must meet their SLO, in (0, 1]; got {cfg.capacity}")
+        if cfg.capacity_steps < 0:
+            raise BenchError(f"--capacity-steps must be >= 0, got {cfg.capacity_steps}")
+        if cfg.probe_requests < 2 or not cfg.probe_seconds > 0:
+            raise BenchError("capacity probing needs --probe-requests >= 2 and --probe-seconds > 0")
     if not (0.0 <= cfg.tight_share <= 1.0):
         raise BenchError(f"--tight-share must be in [0, 1], got {cfg.tight_share}")
     if cfg.duration_s is not None and not cfg.duration_s > 0:
@@ -438,6 +457,8 @@ def settings_of(cfg: BenchConfig, cm: CostModel, traces: Sequence[TraceInput]) -
         "topology": cfg.topology, "max_model_len": cfg.max_model_len if not cfg.live else None,
         "probe": ({"requests": cfg.probe_requests, "seconds": cfg.probe_seconds, "iterations": cfg.probe_iterations}
                   if cfg.saturation else None),
+        "capacity": ({"attainment": cfg.capacity, "steps": cfg.capacity_steps, "probe_requests": cfg.probe_requests,
+                      "probe_seconds": cfg.probe_seconds} if cfg.capacity is not None else None),
     }
 
 
@@ -737,6 +758,10 @@ class Bench:
                 await self._live_saturation(c)
                 self._plan_all(self._saturation_rates())
                 self._save_settings()
+            if cfg.capacity is not None:
+                for t in self.traces:
+                    await self._live_capacity(c, t)
+                return
             baselines = {}
             for name, url in cfg.baselines:
                 shards = await stack.enter_async_context(
@@ -791,6 +816,75 @@ class Bench:
             own = own_rate(pool[: cfg.max_requests] if cfg.max_requests else pool)
             self._store_saturation(t.name, await saturation_search_async(probe, own, cfg.probe_iterations))
 
+    def _capacity_pool(self, t: TraceInput) -> list[TraceRequest]:
+        return list(t.requests[: self.cfg.max_requests] if self.cfg.max_requests else t.requests)
+
+    async def _live_capacity(self, c: httpx.AsyncClient, t: TraceInput) -> None:
+        """Every policy's SLO capacity on trace `t`, searched live in lockstep (module doc, step 5)."""
+        cfg = self.cfg
+        pool = self._capacity_pool(t)
+        start = cfg.rate or own_rate(pool)
+        found = self.resolved.setdefault("capacity", {}).setdefault(t.name, {})
+        searches: dict[str, list] = {}  # policy → [search, next rate, probes]
+        for policy in cfg.policies:
+            probes = found.get(policy, {}).get("probes", [])
+            search, rate = _replayed(capacity_steps(start, cfg.capacity, cfg.capacity_steps), probes)
+            if search is not None:
+                searches[policy] = [search, rate, list(probes)]
+        while searches:
+            for policy, s in list(searches.items()):
+                search, rate, probes = s
+                got = await self._capacity_probe(c, t, pool, policy, rate)
+                probes.append([rate, got])
+                found[policy] = {"probes": probes}
+                try:
+                    s[1] = search.send(got)
+                except StopIteration as stop:
+                    found[policy] = {**stop.value, "start_rps": start, "attainment": cfg.capacity}
+                    del searches[policy]
+                    cap = stop.value["capacity_rps"]
+                    self.log(f"{t.name}: {policy} SLO capacity " + (f"{cap:.3f} req/s" if cap else "none"))
+                self._save_settings()
+
+    async def _capacity_probe(self, c: httpx.AsyncClient, t: TraceInput, pool: list[TraceRequest], policy: str,
+                              rate: float) -> float:
+        """The share of requests meeting both SLO targets with `policy` at `rate` (a sustained load of
+        about `probe_seconds`, from the trace's start)."""
+        cfg = self.cfg
+        n = min(len(pool), max(cfg.probe_requests, math.ceil(rate * cfg.probe_seconds)))
+        s, _ = plan_slice(pool[:n], rate=rate, duration_s=None, max_requests=None, tight_share=cfg.tight_share,
+                          seed=cfg.seed, max_len=self.resolved.get("max_model_len"))
+        await set_policy(c, policy)
+        await reset_prefix_cache(c)
+        reqs = planned(s, t.name, cfg.seed, stream=f"{t.name}/capacity")
+        results, _ = await run_open_loop(self.shards, self.target.model, reqs, timeout_s=cfg.request_timeout_s)
+        self.sent["probes"] += len(results)
+        recs = [to_request_record(live_record(r, policy=policy, trace=t.name, req=s[r.index], cm=self.cm, rate=rate))
+                for r in results]
+        got = summarize(recs)["goodput"]
+        self.log(f"  probe {t.name} {policy} at {rate:.3f} req/s, {n} requests: {got:.3f} met their SLO")
+        return got
+
+    def _sim_capacity(self) -> None:
+        """The same searches in the simulator, `oracle` (true output lengths) added as the bound."""
+        from disagg.sim.runner import find_capacity
+        from disagg.sim.simulator import Topology
+
+        topology = Topology.parse(self.resolved["topology"])
+        out = self.resolved.setdefault("capacity_sim", {})
+        for t in self.traces:
+            pool = self._capacity_pool(t)
+            start = self.cfg.rate or own_rate(pool)
+            pool, _, _ = fit_to_context(pool, self.resolved.get("max_model_len"))  # as the live probes are
+            for policy in (*self.cfg.policies, *(() if "oracle" in self.cfg.policies else ("oracle",))):
+                if policy in out.get(t.name, {}):
+                    continue
+                found = find_capacity(rescale_to_rate(pool, start), self.cm, topology, policy,
+                                      attainment=self.cfg.capacity, steps=self.cfg.capacity_steps,
+                                      tight_share=self.cfg.tight_share, seed=self.cfg.seed)
+                out.setdefault(t.name, {})[policy] = found
+                self._save_settings()
+
     async def _live_run(self, c: httpx.AsyncClient | None, policy: str, trace: str, *, system: str = LIVE,
                         shards: ClientShards | None = None, model: str | None = None) -> None:
         """One policy of our app (`c` switches it and resets its caches) or one baseline system
@@ -826,6 +920,9 @@ class Bench:
         from disagg.sim.runner import simulate
         from disagg.sim.simulator import Topology
 
+        if self.cfg.capacity is not None:
+            self._sim_capacity()
+            return
         topology = Topology.parse(self.resolved["topology"])
         if self.cfg.saturation and not self.cfg.live:
             for t in self.traces:
@@ -847,6 +944,18 @@ class Bench:
                     rec = sim_record(r, policy=policy, trace=t.name, rate=rate, slice_=s)
                     if rec["index"] not in done:
                         self.store.append(rec)
+
+
+def _replayed(search, probes: Sequence[Sequence[float]]):
+    """(the capacity search advanced through the `probes` an earlier run measured, its next rate),
+    or (None, None) when they completed it."""
+    rate = next(search)
+    for _, got in probes:
+        try:
+            rate = search.send(got)
+        except StopIteration:
+            return None, None
+    return search, rate
 
 
 def run_bench(cfg: BenchConfig, **kw) -> dict:

@@ -7,7 +7,10 @@ client would slow down when the server does and hide exactly the queueing we wan
 Each request streams (SSE) with `ignore_eos`, `temperature 0`, `max_tokens` = the planned output,
 `stream_options.include_usage`, an `X-SLO-Class` header and a prompt given as token ids — exactly
 `prompt_tokens` ids drawn from 100..999 by a per-request seeded RNG, so prompts differ (no prefix
-cache hits) and the token count is exact (no tokenizer in between).
+cache hits) and the token count is exact (no tokenizer in between). A request of a trace with
+prefix-block hashes (Mooncake's `hash_ids`, the multi-turn generator's) gets, for each hashed block,
+ids drawn from that block's hash instead: requests sharing hashes share those prompt prefixes, and
+the engines' prefix caches and the router's prefix index see what the trace says is shared.
 
 Client-side, per request (all on `time.perf_counter`):
 * send lag = actual send − scheduled time (how late the generator itself was);
@@ -41,9 +44,12 @@ from typing import Any, Callable, Sequence
 import httpx
 import numpy as np
 
+from disagg.bench.sse import DONE, SseDecoder
+from disagg.core.types import PREFIX_BLOCK_TOKENS
 from disagg.sim.metrics import percentile
 
 PROMPT_ID_RANGE = (100, 1000)  # token ids drawn from [100, 1000): inside any vocabulary we serve
+_HASHED_BLOCK = 0x9E3779B9  # seeds a hashed block's ids: apart from every per-request seed (3 words)
 ROUTE_HEADER = "x-disagg-route"
 
 
@@ -57,6 +63,7 @@ class PlannedRequest:
     max_tokens: int
     slo_class: str | None = None
     prompt_seed: tuple[int, ...] = (0,)
+    prefix_hashes: tuple[int, ...] = ()  # the trace's prefix-block hashes (`PREFIX_BLOCK_TOKENS` each)
 
 
 @dataclass(slots=True)
@@ -106,10 +113,20 @@ class LoadStats:
         return asdict(self)
 
 
-def prompt_ids(n: int, seed: tuple[int, ...]) -> list[int]:
-    """`n` token ids in PROMPT_ID_RANGE, a pure function of the seed."""
-    rng = np.random.default_rng(list(seed))
-    return rng.integers(PROMPT_ID_RANGE[0], PROMPT_ID_RANGE[1], size=n).tolist()
+def prompt_ids(n: int, seed: tuple[int, ...], prefix_hashes: Sequence[int] = ()) -> list[int]:
+    """`n` token ids in PROMPT_ID_RANGE, a pure function of the seed and the prefix hashes: the
+    i-th `PREFIX_BLOCK_TOKENS` ids are drawn from the i-th hash (its block; the last may be partial),
+    the ids past the hashed blocks from the seed."""
+    ids: list[int] = []
+    for h in prefix_hashes:
+        if len(ids) >= n:
+            break
+        block = np.random.default_rng([_HASHED_BLOCK, h % 2**64])
+        ids += block.integers(*PROMPT_ID_RANGE, size=min(PREFIX_BLOCK_TOKENS, n - len(ids))).tolist()
+    if len(ids) < n:
+        rng = np.random.default_rng(list(seed))
+        ids += rng.integers(*PROMPT_ID_RANGE, size=n - len(ids)).tolist()
+    return ids
 
 
 def prompt_seed(seed: int, stream: str, index: int) -> tuple[int, int, int]:
@@ -134,7 +151,7 @@ def parse_route(value: str | None) -> dict[str, str]:
 
 def request_body(model: str, req: PlannedRequest) -> bytes:
     return json.dumps({
-        "model": model, "prompt": prompt_ids(req.prompt_tokens, req.prompt_seed), "max_tokens": req.max_tokens,
+        "model": model, "prompt": prompt_ids(req.prompt_tokens, req.prompt_seed, req.prefix_hashes), "max_tokens": req.max_tokens,
         "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
     }, separators=(",", ":")).encode()
 
@@ -194,12 +211,12 @@ class ClientShards:
 
 
 class _Stream:
-    """Incremental SSE parser for one response; timestamps the content events."""
+    """What one response's events say (parsed by `SseDecoder`); timestamps the content events."""
 
-    __slots__ = ("buf", "t_first", "t_last", "events", "usage", "done", "error", "parts")
+    __slots__ = ("sse", "t_first", "t_last", "events", "usage", "done", "error", "parts")
 
     def __init__(self) -> None:
-        self.buf = b""
+        self.sse = SseDecoder()
         self.t_first: float | None = None
         self.t_last: float | None = None
         self.events = 0
@@ -209,18 +226,11 @@ class _Stream:
         self.parts: list[str] = []
 
     def feed(self, chunk: bytes, now: float) -> None:
-        self.buf += chunk
-        while True:
-            i = self.buf.find(b"\n\n")
-            if i < 0:
-                return
-            event, self.buf = self.buf[:i], self.buf[i + 2:]
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    self._data(line[5:].strip(), now)
+        for payload in self.sse.feed(chunk):
+            self._data(payload, now)
 
-    def _data(self, payload: bytes, now: float) -> None:
-        if payload == b"[DONE]":
+    def _data(self, payload: str, now: float) -> None:
+        if payload == DONE:
             self.done = True
             return
         try:

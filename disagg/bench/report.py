@@ -17,14 +17,13 @@ one panel per trace; simulator curves dashed). matplotlib runs with the Agg back
 from __future__ import annotations
 
 import math
-import os
 import statistics
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from disagg.core.types import SloClass
+from disagg.files import SHARED, atomic_write, json_safe, write_json_atomic, write_text_atomic
 from disagg.sim.metrics import percentile, summarize
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -152,7 +151,7 @@ def markdown(results: dict) -> str:
         lines += ["## Correctness gates", "", "| gate | passed | detail |", "| --- | --- | --- |"]
         lines += [f"| {g['name']} | {'yes' if g['passed'] else '**no**'} | {g['detail']} |" for g in results["gates"]]
         lines.append("")
-    for metric, title, spec in TABLE_METRICS:
+    for metric, title, spec in TABLE_METRICS if results["runs"] else ():  # a --capacity run has none
         rows = results["tables"][metric]
         lines += [f"## {title}", "", "| policy or system | " + " | ".join(traces) + " | mean ± std |",
                   "| --- | " + " | ".join("---" for _ in traces) + " | --- |"]
@@ -161,6 +160,7 @@ def markdown(results: dict) -> str:
             mean = _fmt(row["mean"], spec) + (f" ± {_fmt(row['spread'], spec)}" if row["spread"] is not None else "")
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {mean} |")
         lines.append("")
+    lines += capacity_markdown(results["resolved"], traces)
     if results.get("sim_vs_live"):
         lines += ["## Simulated vs measured", "",
                   "Signed relative error of the simulator against the live app ((sim − live) / live; negative: "
@@ -197,32 +197,39 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def capacity_markdown(resolved: dict, traces: Sequence[str]) -> list[str]:
+    """The SLO-capacity table of a `--capacity` run: req/s per policy and trace, live and simulated."""
+    live, sim = resolved.get("capacity") or {}, resolved.get("capacity_sim") or {}
+    if not live and not sim:
+        return []
+    policies = list(dict.fromkeys([p for t in traces for p in live.get(t, {})] + [p for t in traces for p in sim.get(t, {})]))
+    attainment = next((c.get("attainment") for d in (live, sim) for t in d.values() for c in t.values()
+                       if c.get("attainment")), None)
+
+    def cell(found: dict | None) -> str:
+        if not found:
+            return "–"
+        if "capacity_rps" not in found:
+            return f"unfinished ({len(found.get('probes', []))} probes)"
+        cap = found["capacity_rps"]
+        text = f"{cap:.3g}" if cap else "none"
+        return text if found.get("bracketed") else f"{text} (not bracketed)"
+
+    lines = [f"## SLO capacity (req/s at which ≥ {attainment:.0%} of requests meet both targets)", "",
+             "| policy | " + " | ".join(f"{t} live | {t} sim" for t in traces) + " |",
+             "| --- | " + " | ".join("--- | ---" for _ in traces) + " |"]
+    for p in policies:
+        lines.append(f"| {p} | " + " | ".join(f"{cell(live.get(t, {}).get(p))} | {cell(sim.get(t, {}).get(p))}"
+                                             for t in traces) + " |")
+    return lines + [""]
+
+
 # --- files -------------------------------------------------------------------------------------
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are reports for anyone on the machine
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _save_fig(fig, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path, "wb", permissions=SHARED) as f:
+        fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
 
 
 def plot_goodput(results: dict, path: Path) -> None:
@@ -302,7 +309,6 @@ def plot_ttft_cdf(records: Sequence[dict], results: dict, path: Path) -> None:
 def write_all(bench: "Bench") -> dict:
     """Summarize the bench folder and write every output file; returns the results dict."""
     from disagg.bench.harness import LIVE, SIM
-    from disagg.cli import json_safe, write_json_atomic
 
     cfg = bench.cfg
     traces = [t.name for t in bench.traces]
@@ -345,7 +351,7 @@ def write_all(bench: "Bench") -> dict:
     results = json_safe(results)
     out = cfg.out
     write_json_atomic(out / RESULTS_JSON, results)
-    write_text_atomic(out / RESULTS_MD, markdown(results))
+    write_text_atomic(out / RESULTS_MD, markdown(results), permissions=SHARED)  # a report for anyone on the machine
     if runs:
         plot_goodput(results, out / GOODPUT_PNG)
         plot_ttft_cdf(records, results, out / TTFT_PNG)

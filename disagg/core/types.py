@@ -40,15 +40,18 @@ class SloClass(enum.Enum):
             raise ValueError(f"unknown SLO class {value!r}; allowed: {allowed}") from None
 
 
+PREFIX_BLOCK_TOKENS = 512  # tokens per prefix-hash block in traces: the Mooncake `hash_ids` convention
+
+
 @dataclass(frozen=True, slots=True)
 class RequestFeatures:
     """What the router knows of a request at admission time.
 
     `true_output_tokens` is set only by the simulator; it exists so that the `oracle` policy can
     bound what a perfect output-length predictor would gain. Live requests leave it None.
-    `prefix_hashes` are the prompt's block hashes in the Mooncake convention (one per
-    `PREFIX_BLOCK_TOKENS`-token block, each naming the whole prefix up to its block's end), or
-    empty when unknown — as for every live request today.
+    `prefix_hashes` are the prompt's block hashes, one per `prefix_block_tokens`-token block, each
+    naming the whole prefix up to its block's end, or empty when unknown. Traces use the Mooncake
+    convention (`PREFIX_BLOCK_TOKENS`); the live router hashes in a multiple of the engines' KV block.
     """
 
     request_id: str
@@ -57,9 +60,8 @@ class RequestFeatures:
     slo_class: SloClass = SloClass.LOOSE
     true_output_tokens: int | None = None
     prefix_hashes: tuple[int, ...] = ()
+    prefix_block_tokens: int = PREFIX_BLOCK_TOKENS
 
-
-PREFIX_BLOCK_TOKENS = 512  # tokens per prefix-hash block: the Mooncake traces' `hash_ids` convention
 
 # How many leading blocks of the given prefix hashes an instance holds in its prefix cache.
 # Must be side-effect free: policies call it while choosing, and may call it for every candidate.
@@ -76,8 +78,8 @@ class InstanceView:
     queued: int  # requests admitted to this instance and not finished
     kv_used_tokens: int  # latest polled KV use plus what the ledger admitted since
     kv_capacity_tokens: int
-    # The instance's prefix cache, when someone tracks it (the simulator does; the live router does
-    # not yet): None means unknown, and every prefix then counts as uncached.
+    # The instance's prefix cache, as the simulator knows it or the live router's index estimates
+    # it: None means unknown, and every prefix then counts as uncached.
     prefix_lookup: PrefixLookup | None = None
 
     def pressure_after(self, extra_tokens: int) -> float:

@@ -279,11 +279,17 @@ WORKLOADS: dict[str, Callable[[int, float, int], list[TraceRequest]]] = {
 }
 
 
-def generate(name: str, n: int, rate: float, seed: int) -> list[TraceRequest]:
-    """Run the workload registered as ``name``; unknown names raise ValueError listing the known."""
+def generate(name: str, n: int, rate: float, seed: int, max_context_tokens: int | None = None) -> list[TraceRequest]:
+    """Run the workload registered as ``name``; unknown names raise ValueError listing the known.
+    ``max_context_tokens``: the longest conversation (prompt + answer) of ``multi_turn_chat``, e.g.
+    the serving model's context; the other workloads take none."""
     try:
         gen = WORKLOADS[name]
     except KeyError:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}") \
             from None
-    return gen(n, rate, seed)
+    if max_context_tokens is None:
+        return gen(n, rate, seed)
+    if gen is not multi_turn_chat:
+        raise ValueError(f"max_context_tokens applies to multi_turn_chat only, not {name!r}")
+    return multi_turn_chat(n, rate, seed, ConversationShape(max_context_tokens=max_context_tokens))

@@ -380,3 +380,43 @@ def test_live_saturation_probes_the_app_and_is_reused_on_resume(tmp_path):
         assert sat["goodput_light"] == 1.0 and res["runs"][0]["rate"] == pytest.approx(sat["rate"], rel=1e-6)
         again = run_bench(cfg)
         assert again["requests_sent"]["probes"] == 0 and again["resolved"]["saturation"] == res["resolved"]["saturation"]
+
+
+# --- SLO capacity ------------------------------------------------------------------------------
+
+
+def test_live_capacity_search_probes_every_policy_in_turn_and_a_rerun_replays_it(tmp_path):
+    """`--capacity` against the stub (which answers every request well within its SLO, so each
+    search doubles the rate to its limit): every policy gets the simulator's probe sequence, the
+    probes alternate between the policies, and rerunning the finished command sends nothing."""
+    trace = small_trace(tmp_path / "t.csv", n=30, gap=0.1)
+    out = tmp_path / "out"
+    cfg = BenchConfig(out=out, traces=(str(trace),), policies=("round_robin", "least_loaded"), capacity=0.9,
+                      capacity_steps=2, probe_requests=4, probe_seconds=0.5, gates=False)
+    with StubServer(first_token_s=0.01, token_gap_s=0.002) as stub:
+        cfg = BenchConfig(**{**cfg.__dict__, "url": stub.url})
+        results = run_bench(cfg)
+        sent = len(stub.completions)
+        switches = [p for p in stub.policies if p in cfg.policies]
+        again = run_bench(cfg)
+        assert len(stub.completions) == sent  # every probe replayed from settings.json
+    found = results["resolved"]["capacity"]["t"]
+    own = 10.0  # 30 requests 0.1 s apart
+    for policy in cfg.policies:
+        c = found[policy]
+        assert [round(r, 6) for r, _ in c["probes"]] == [round(own * 2 ** k, 6) for k in range(7)]
+        assert all(g == 1.0 for _, g in c["probes"])
+        assert c["capacity_rps"] == pytest.approx(own * 64) and c["bracketed"] is False
+    assert switches[:4] == ["round_robin", "least_loaded", "round_robin", "least_loaded"]  # lockstep
+    assert results["runs"] == [] and again["resolved"]["capacity"] == results["resolved"]["capacity"]
+    assert "SLO capacity" in (out / "results.md").read_text()
+
+
+def test_capacity_is_checked_before_anything_is_sent(tmp_path):
+    trace = small_trace(tmp_path / "t.csv")
+    for bad, message in ((dict(capacity=1.5), r"in \(0, 1\]"), (dict(capacity=0.9, saturation=True), "excludes"),
+                         (dict(capacity=0.9, capacity_steps=-1), "capacity-steps")):
+        cfg = BenchConfig(out=tmp_path / "o", traces=(str(trace),), policies=("round_robin",), sim=True, **bad)
+        with pytest.raises(BenchError, match=message):
+            run_bench(cfg)
+    assert not (tmp_path / "o").exists()

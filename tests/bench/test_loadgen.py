@@ -41,6 +41,7 @@ class StubServer:
         self.first_token_s, self.token_gap_s, self.extra_tokens = first_token_s, token_gap_s, extra_tokens
         self.prefill, self.decode, self.max_model_len, self.model = list(prefill), list(decode), max_model_len, model
         self.policy = "round_robin"
+        self.policies: list[str] = []  # every policy switched to, in order
         self.completions: list[dict] = []  # one per /v1/completions: arrival time (perf_counter), body, headers
         self.admin: list[str] = []
         self._n = 0
@@ -137,6 +138,7 @@ class StubServer:
                 return 400, {"error": {"message": f"unknown policy {name!r}; known policies: "
                                                   f"{', '.join(KNOWN_POLICIES)}", "param": "name"}}
             self.policy = name
+            self.policies.append(name)
             return 200, {"policy": name}
         if method == "POST" and path == "/admin/reset_prefix_cache":
             return 200, {"prefill": [True], "decode": [True, True]}
@@ -196,6 +198,21 @@ def test_prompt_ids_are_exact_length_in_range_and_differ():
     assert len(a) == 500 and all(100 <= t < 1000 for t in a)
     assert a != b and a[:16] != b[:16]  # distinct first KV block: no prefix-cache hit
     assert a == prompt_ids(500, prompt_seed(0, "conv", 1))  # a resumed run sends the same prompt
+
+
+def test_prompts_share_exactly_the_prefix_blocks_their_hashes_share():
+    """Turn 2 of a conversation repeats turn 1's first full block (hash 7) and grows past it; the
+    other request shares nothing. Ids come from the hashes, whatever the per-request seeds."""
+    turn1 = prompt_ids(700, prompt_seed(0, "chat", 1), (7, 8))
+    turn2 = prompt_ids(1300, prompt_seed(0, "chat", 2), (7, 9, 10))
+    other = prompt_ids(700, prompt_seed(0, "chat", 3), (11, 12))
+    assert len(turn1) == 700 and len(turn2) == 1300 and all(100 <= t < 1000 for t in turn2)
+    assert turn1[:512] == turn2[:512]
+    assert turn1[512:600] != turn2[512:600]  # block 2 differs: a partial block in turn 1, grown in turn 2
+    assert other[:512] != turn1[:512]
+    assert prompt_ids(300, prompt_seed(0, "chat", 4), (7,)) == turn1[:300]  # a capped prompt keeps its prefix
+    tail = prompt_ids(1200, prompt_seed(0, "chat", 5), (7,))  # past the hashed blocks: the request's own ids
+    assert tail[:512] == turn1[:512] and tail[512:] != prompt_ids(1200, prompt_seed(0, "chat", 6), (7,))[512:]
 
 
 def test_parse_route_header():

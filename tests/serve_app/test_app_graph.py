@@ -47,7 +47,7 @@ def test_cpu_profile_graph_fits_two_cores():
     assert all(d.ray_actor_options.get("num_gpus", 0) == 0 for d in (prefill, decode))
 
 
-@pytest.mark.parametrize("file", ["disagg.yaml", "local.yaml", "local-autoscale.yaml"])
+@pytest.mark.parametrize("file", ["disagg.yaml", "local.yaml", "local-2p2d.yaml", "local-autoscale.yaml"])
 def test_shipped_configs_validate(file):
     (name, cfg), = load_serve_config(ROOT / "deployments" / file)
     assert cfg.router.policy == "marginal_cost"

@@ -12,6 +12,8 @@ import time
 import httpx
 import pytest
 
+from disagg.bench.sse import DONE, sse_data
+
 pytestmark = pytest.mark.stack
 MODEL = "tiny-qwen2"
 TIMEOUT = httpx.Timeout(120.0)
@@ -116,13 +118,11 @@ def test_streaming_chat_with_usage(client):
     with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-SLO-Class": "tight"}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert route(r)["sigma"] == "2"  # the tight class is weighted up
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
+        for data in sse_data(r.iter_lines()):
+            if data == DONE:
                 done = True
                 break
-            chunks.append(json.loads(line[6:]))
+            chunks.append(json.loads(data))
     assert done
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert chunks[-1]["usage"]["completion_tokens"] == 20
@@ -258,6 +258,61 @@ def test_request_log_records_every_decision(client, stack):
     assert rec["prefill"] == route(r)["served_prefill"]
 
 
+def _log_record(stack, rid: str) -> dict:
+    log = stack.run_dir / "runs" / "requests.jsonl"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and rid not in log.read_text():
+        time.sleep(0.2)
+    return next(json.loads(l) for l in log.read_text().splitlines() if json.loads(l)["id"] == rid)
+
+
+def _received(client, instance: str) -> int:
+    """The decode engine's count of prompt tokens whose KV arrived over NIXL, once a poll saw it settle."""
+    last = None
+    for _ in range(20):
+        time.sleep(0.3)
+        now = state(client)["instances"][instance]["kv_received_tokens"]
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def test_a_conversations_next_turns_go_where_its_prefix_is_cached(client, stack):
+    """The router's prefix index, live: after a long first turn, every next turn (whichever router
+    replica takes it) goes to the decode instance that holds the prefix; the router's guess of the
+    cached tokens equals what the prefill engine's prefix cache supplied, and that decode engine pulls
+    only the new part of the prompt over NIXL."""
+    import random
+
+    set_policy(client, "prefix_affinity")
+    block = state(client)["models"][MODEL]["prefix_index_block_tokens"]
+    assert block and block % 16 == 0  # a multiple of vLLM's KV block
+    rng = random.Random(11)
+    turn1 = [rng.randrange(100, 1000) for _ in range(6 * block + 40)]
+    first = complete(client, turn1, max_tokens=4, ignore_eos=True)
+    warm = route(first)["served_decode"]
+    rec = _log_record(stack, first.json()["id"])
+    assert rec["cached_tokens_predicted"] == {"prefill": 0, "decode": 0}  # nothing seen yet: all cold
+    time.sleep(0.5)  # the other router replica learns the record within PREFIX_SHARE_INTERVAL_S
+    routers = set()
+    for i in range(20):  # until both router replicas took turns (sequential requests may land on one)
+        if i >= 4 and len(routers) == 2:
+            break
+        turn = turn1 + [rng.randrange(100, 1000) for _ in range(30 + 10 * i)]
+        before = _received(client, warm)
+        r = complete(client, turn, max_tokens=4, ignore_eos=True)
+        routers.add(r.headers["x-disagg-router"])
+        assert route(r)["served_decode"] == warm, i
+        rec = _log_record(stack, r.json()["id"])
+        assert rec["cached_tokens_predicted"] == {"prefill": 6 * block, "decode": 6 * block}, rec
+        assert rec["prefill_cached_tokens"] == 6 * block, rec  # the engine's own count agrees
+        pulled = _received(client, warm) - before
+        assert 0 < pulled <= len(turn) - 6 * block, (pulled, len(turn))  # the cached prefix did not move
+    assert len(routers) == 2, routers  # both router replicas routed turns with one's records
+    set_policy(client, "marginal_cost")
+
+
 def test_router_reloads_a_calibrated_cost_model_without_restart(client, calibrated_file, tmp_path):
     """A calibrated file inside the CPU profile's router.cost_model_dir (runs/ in the run folder) is loaded
     without a restart; a file outside it is refused with the same 400 as a path that does not exist."""
@@ -385,9 +440,9 @@ def test_streamed_logprobs_match_the_whole_response(client):
     whole = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
     tokens, offsets = [], []
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                choices = json.loads(line[6:])["choices"]
+        for data in sse_data(r.iter_lines()):
+            if data != DONE:
+                choices = json.loads(data)["choices"]
                 if choices and choices[0]["logprobs"]:
                     tokens += choices[0]["logprobs"]["tokens"]
                     offsets += choices[0]["logprobs"]["text_offset"]

@@ -1,0 +1,73 @@
+"""The live router's approximate prefix index (disagg.core.prefix_index)."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.core.cost_model import load_profile
+from disagg.core.policies import build_policy
+from disagg.core.prefix_index import PrefixIndex, index_block_tokens, prompt_block_hashes
+from disagg.core.types import InstanceView, RequestFeatures, Role
+
+
+def test_hashes_name_whole_prefixes_of_full_blocks():
+    a = list(range(1000, 1300))  # 300 tokens: two full 128-token blocks, 44 left over
+    h = prompt_block_hashes(a, 128)
+    assert len(h) == 2
+    assert prompt_block_hashes(a[:256] + [7] * 44, 128) == h  # the partial tail is not hashed
+    same_first = prompt_block_hashes(a[:128] + [5] * 128, 128)
+    assert same_first[0] == h[0] and same_first[1] != h[1]
+    # a block equal in content but after a different prefix is a different prefix
+    shifted = prompt_block_hashes([9] * 128 + a[128:256], 128)
+    assert shifted[1] != h[1]
+    assert prompt_block_hashes(a[:127], 128) == ()
+    longer = a + list(range(5000, 5300))  # the prompt and its output: only the new blocks are hashed
+    assert prompt_block_hashes(longer, 128, known=h) == prompt_block_hashes(longer, 128)
+
+
+@pytest.mark.parametrize("engine_block,index_block", [(16, 64), (32, 64), (64, 64), (128, 128), (48, 96)])
+def test_index_block_is_a_multiple_of_the_engine_block(engine_block, index_block):
+    assert index_block_tokens(engine_block) == index_block
+
+
+def test_index_records_forgets_and_bounds_by_capacity():
+    idx = PrefixIndex(64)
+    hashes = prompt_block_hashes(list(range(64 * 5)), 64)
+    assert idx.lookup("d0") is None  # nothing known: a policy treats the instance as cold
+    idx.record("d0", hashes, kv_capacity_tokens=64 * 100)
+    assert idx.lookup("d0")(hashes) == 5
+    assert idx.lookup("d0")(prompt_block_hashes(list(range(64 * 3)) + [1] * 64, 64)) == 3
+    idx.record("d1", hashes, kv_capacity_tokens=64 * 3)  # room for 3 blocks: the tail is evicted first
+    assert idx.lookup("d1")(hashes) == 3
+    assert idx.blocks_held() == {"d0": 5, "d1": 3}
+    idx.forget("d0")
+    assert idx.lookup("d0") is None
+    idx.clear()
+    assert idx.blocks_held() == {}
+
+
+def _view(iid: str, idx: PrefixIndex, queued: int = 0) -> InstanceView:
+    return InstanceView(iid, Role.DECODE, backlog_s=0.0, queued=queued, kv_used_tokens=0,
+                        kv_capacity_tokens=100_000, prefix_lookup=idx.lookup(iid))
+
+
+def test_policies_route_a_shared_prefix_to_the_instance_holding_it():
+    """The index feeds the policies the live router runs: the decode instance that holds a long
+    prompt's prefix wins the follow-up turn under `prefix_affinity` and `slo_goodput`."""
+    cm = load_profile("cpu-tiny")
+    block = 128
+    idx = PrefixIndex(block)
+    turn1 = list(range(2000, 3500))
+    idx.record("decode-b", prompt_block_hashes(turn1, block), 100_000)
+    turn2 = turn1 + list(range(7000, 7100))
+    req = RequestFeatures("r", len(turn2), 16, prefix_hashes=prompt_block_hashes(turn2, block),
+                          prefix_block_tokens=block)
+    prefill = [InstanceView("prefill-a", Role.PREFILL, 0.0, 0, 0, 100_000)]
+    for name in ("prefix_affinity", "slo_goodput"):
+        policy = build_policy(name, cm, {})  # fresh each time: round-robin cursors start at decode-a
+        # decode-a is listed first and equally idle: only the cached prefix can favour decode-b
+        d = policy.choose(req, prefill, [_view("decode-a", idx), _view("decode-b", idx)], 0.0)
+        assert d.decode_id == "decode-b", name
+        cold = RequestFeatures("r", len(turn2), 16)
+        d = build_policy(name, cm, {}).choose(cold, prefill, [_view("decode-a", idx), _view("decode-b", idx)], 0.0)
+        assert d.decode_id == "decode-a", name  # without hashes the cache is invisible
