@@ -28,8 +28,6 @@ calibration paper measured.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from functools import cached_property
 from pathlib import Path
 
@@ -38,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from disagg.core.types import SloClass
 from disagg.core.yaml_errors import explain, read_yaml, yaml_root
+from disagg.files import atomic_write
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 
@@ -188,17 +187,9 @@ class CostModel(_Strict):
         return self.model_dump(mode="json")
 
     def save(self, path: str | Path) -> None:
-        """Write atomically: a reader never sees half a file."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "w") as f:
-                yaml.safe_dump(self.to_dict(), f, sort_keys=False)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        """Write atomically (`disagg.files.atomic_write`): a reader never sees half a file."""
+        with atomic_write(path) as f:
+            yaml.safe_dump(self.to_dict(), f, sort_keys=False)
 
 
 class CostModelError(ValueError):

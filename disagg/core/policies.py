@@ -45,7 +45,7 @@ from typing import Annotated, Any, Callable, ClassVar, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from disagg.core.cost_model import CostModel, EngineConstants, TransferConstants
+from disagg.core.cost_model import CostModel, EngineConstants, TransferConstants, attention_pairs
 from disagg.core.types import (
     CostTerms, Decision, InstanceView, NoCapacity, RequestFeatures, SloClass,
 )
@@ -923,7 +923,7 @@ class SloGoodput(Policy):
                 chunk = max(1, ec.max_batched_tokens - b)
                 # beside b decoding sequences, each step prefills (budget − b) tokens and costs them their step
                 work = (ec.prefill_overhead_s + -(-uncached // chunk) * (ec.step_base_s + ec.decode_seq_s * b)
-                        + ec.prefill_token_s * uncached)
+                        + ec.prefill_token_s * uncached + ec.prefill_attention_s * attention_pairs(uncached, held))
                 ttft = pending + work + overhead
                 # its time is taken from d and from each of the b sequences waiting for it
                 load = w * (ttft + (1 + b) * work) / ttft_t
@@ -967,7 +967,8 @@ class SloGoodput(Policy):
         for p in pool:
             q = self._prefill_queue_s(p, now) if self._overpriced else p.backlog_s
             if not uniform:
-                work = cm.for_instance(p.instance_id).prefill_s(prompt - _cached_tokens(p, req))
+                cached = _cached_tokens(p, req)  # the uncached rest attends to the cached prefix too
+                work = cm.for_instance(p.instance_id).prefill_s(prompt - cached, cached)
             ends.append((q + work, q, work, p))
         return ends
 

@@ -147,3 +147,20 @@ def test_does_not_colocate_onto_a_decode_instance_whose_kv_is_full(cm):
     # with room in its KV, the same instance takes the prefill itself
     roomy = [replace(full[0], kv_used_tokens=2_000)]
     assert build_policy("slo_goodput", cm).choose(req(200, hashes=()), prefill, roomy, now=0.0).colocated
+
+
+def test_the_attention_term_prices_the_uncached_rest_against_the_cached_prefix():
+    """With `prefill_attention_s`, a prefill of the uncached tokens also attends to the cached
+    prefix: both placements' work includes c·(k + c/2) token pairs (k cached, c computed)."""
+    cm = make_cost_model(engine=engine_dict(prefill_token_s=0.0001, prefill_attention_s=2e-8))
+    ec = cm.engine
+    prefill = with_caches(make_instances(Role.PREFILL, n=1), [3])
+    decode = make_instances(Role.DECODE, n=1)
+    d = build_policy("slo_goodput", cm, {"allow_colocated": False}).choose(req(), prefill, decode, now=0.0)
+    assert d.prefill_cost.own_work_s == pytest.approx(ec.prefill_s(464, 1536))
+    assert ec.prefill_s(464, 1536) - ec.prefill_s(464) == pytest.approx(2e-8 * 464 * 1536)
+    d = build_policy("slo_goodput", cm).choose(req(), [], with_caches(make_instances(Role.DECODE, n=1), [3]), now=0.0)
+    assert d.colocated
+    chunks = -(-464 // ec.max_batched_tokens)
+    assert d.prefill_cost.own_work_s == pytest.approx(
+        ec.prefill_overhead_s + chunks * ec.step_base_s + ec.prefill_token_s * 464 + 2e-8 * 464 * (1536 + 464 / 2))
