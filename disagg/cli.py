@@ -472,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_traces_stats)
 
     study = sub.add_parser("study", help="the simulator studies (pool width, predictor noise, miscalibration, sizing, "
-                                         "latency-aware routing across models)")
+                                         "latency-aware routing across models, autoscaling: planner vs Serve)")
     studies.add_arguments(study)
     study.set_defaults(func=cmd_study)
 

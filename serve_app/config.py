@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from disagg.core.policies import PolicyError, build_policy
 from disagg.core.cost_model import CostModel, CostModelError, load_profile
+from disagg.core.planner import PlannerConfig
 from disagg.core.types import SloClass
 from disagg.core.utility import AccuracyTable, EvaluationError, ModelPrices
 from disagg.core.yaml_errors import explain, line_of, read_yaml, yaml_root
@@ -103,9 +104,15 @@ class EngineConfig(_Strict):
         return self
 
 
+PLANNER_POLICY = "serve_app.autoscale:planned_replicas"  # Serve's custom autoscaling policy for `policy: planner`
+
+
 class AutoscalingConfig(_Strict):
     min_replicas: int = Field(ge=0)
     max_replicas: int = Field(ge=1)
+    policy: Literal["ongoing_requests", "planner"] = Field(
+        default="ongoing_requests", description="'ongoing_requests': Serve's default (target_ongoing_requests "
+        "per replica); 'planner': the width the router's SLO-driven planner sets (router.planner)")
     target_ongoing_requests: float = Field(default=8.0, gt=0)
     upscale_delay_s: float = Field(default=5.0, ge=0)
     downscale_delay_s: float = Field(default=30.0, ge=0)
@@ -124,7 +131,7 @@ class AutoscalingConfig(_Strict):
             "target_ongoing_requests": self.target_ongoing_requests,
             "upscale_delay_s": self.upscale_delay_s,
             "downscale_delay_s": self.downscale_delay_s,
-        }
+        } | ({"policy": {"policy_function": PLANNER_POLICY}} if self.policy == "planner" else {})
 
 
 class PoolConfig(_Strict):
@@ -206,6 +213,24 @@ class RouterConfig(RouterSettings):
     policy_params: dict[str, Any] = Field(default_factory=dict)
     cost_model: str | dict[str, Any] = Field(default="cpu-tiny", description="shipped profile name, a "
                                              "cost-model YAML path, or the cost model inline")
+    planner: PlannerConfig = Field(default_factory=PlannerConfig, description="the SLO-driven planner's knobs, "
+                                   "for pools with autoscaling.policy 'planner' (their bounds are the pools' "
+                                   "min_replicas and max_replicas)")
+
+    @field_validator("planner")
+    @classmethod
+    def _planner_bounds_come_from_the_pools(cls, v: PlannerConfig) -> PlannerConfig:
+        # the defaults come back when a validated config is dumped and read again (as Serve does)
+        default = PlannerConfig()
+        given = sorted(f for f in v.model_fields_set
+                       if f.startswith(("min_", "max_")) and getattr(v, f) != getattr(default, f))
+        if given:
+            raise ValueError(f"{given[0]}: a pool's bounds are its autoscaling min_replicas and max_replicas")
+        return v
+
+    def planned_pools(self, pools: dict[str, PoolConfig]) -> list[str]:
+        """The pools whose width the planner sets."""
+        return [n for n, p in pools.items() if p.autoscaling is not None and p.autoscaling.policy == "planner"]
 
 
 class AppConfig(_Strict):
@@ -266,6 +291,9 @@ class AppConfig(_Strict):
                              f"this config serves {self.model.source!r}")
         if policy.simulator_only:
             raise ValueError(f"router.policy {self.router.policy!r} runs in the simulator only")
+        if self.colocated is not None and self.router.planned_pools(self.pools()):
+            raise ValueError("colocated.autoscaling.policy: the planner sizes prefill and decode pools; a colocated "
+                             "pool scales on ongoing requests")
         if self.colocated is not None and self.router.policy != "colocated":
             raise ValueError(f"router.policy {self.router.policy!r} needs a prefill pool; a colocated pool is "
                              "routed with policy 'colocated'")
@@ -349,6 +377,11 @@ class MultiModelConfig(_Strict):
                                  f"models.{prefixes[m.deployment_prefix]}")
             prefixes[m.deployment_prefix] = i
             _check_entry(i, m, self.router)
+            for pool_name in ("prefill", "decode", "colocated"):
+                pool = getattr(m, pool_name, None)
+                if pool is not None and pool.autoscaling is not None and pool.autoscaling.policy == "planner":
+                    raise ValueError(f"models.{i}.{pool_name}.autoscaling.policy: the planner sizes the pools of a "
+                                     "one-model app only")
         if self.router.alias in seen:
             raise ValueError(f"router.alias: {self.router.alias!r} is also a served model name (models."
                              f"{seen[self.router.alias]}); the alias must differ from every model")

@@ -56,6 +56,7 @@ from serve_app.instance_state import FlightFacts, instance_snapshot
 from serve_app.metrics import RouterMetrics
 from serve_app.messages import DecodeCall, DecodeChunk, InvalidRequest, PrefillCall, PrefillReply
 from serve_app.openai_api import ApiError, openai_param
+from serve_app.planning import WindowCounter
 from serve_app.registry import Instance, InstanceRegistry
 from serve_app.request_log import Counters, RequestLog, request_record
 from serve_app.served_model import ServedModel
@@ -172,6 +173,7 @@ class Dispatcher:
         self.prefill_retries = prefill_retries
         self.migration_limit = migration_limit
         self.metrics = metrics  # the Prometheus series each finished request feeds (None: not exported)
+        self.window = WindowCounter()  # what the planner sees of this replica's traffic (serve_app.planning)
         self.multi_model = multi_model
         self.alias_predictor = BucketMeanPredictor()  # output lengths of alias requests, across models
         self.flights: dict[str, Flight] = {}  # admitted and not finished, in admission order
@@ -322,6 +324,7 @@ class Dispatcher:
         pw, dw = admission_work(m.cost_model, decision.prefill_id, decision.decode_id, p, f.predicted,
                                 self.ledger.queued(decision.decode_id))
         self.ledger.admit(f.rid, decision.prefill_id, decision.decode_id, pw, dw, p)
+        self.window.admitted(p, f.slo)
         f.work_s = (pw, dw)
         self.flights[f.rid] = f
         f.admitted = True
@@ -577,6 +580,9 @@ class Dispatcher:
         self.flights.pop(f.rid, None)
         record = request_record(f, error, time.monotonic(), self.multi_model, self.router_id)
         self.log.write(record)
-        if self.metrics is not None and f.model is not None:
+        if f.model is not None:
             target = f.model.cost_model.target(f.slo)
-            self.metrics.request_finished(record, f.model.name, target.ttft_s, target.tpot_s)
+            if error is None:
+                self.window.served(record, target)
+            if self.metrics is not None:
+                self.metrics.request_finished(record, f.model.name, target.ttft_s, target.tpot_s)

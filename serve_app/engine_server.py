@@ -34,6 +34,7 @@ from ray.serve.handle import DeploymentHandle
 
 from disagg.core.ledger import AdmittedWork
 from disagg.core.types import Role
+from serve_app.autoscale import PLANNED_WIDTH
 from serve_app.config import AppConfig
 from serve_app.engine import EngineSpec, RequestAborted, VllmEngine
 from serve_app.messages import (
@@ -229,6 +230,7 @@ class EngineServer:
             host = ray.util.get_node_ip_address()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.admitted = AdmittedWork()  # what each router has sent here and not seen end: routers read it
+        self.planned_width: int | None = None  # this pool's width as the router's planner last set it
         self.port = claim_port(host, cfg.engine.side_channel_ports)
         self.engine = VllmEngine(engine_spec(cfg, self.role, host, self.port.port))
         try:
@@ -306,6 +308,14 @@ class EngineServer:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
+
+    async def set_planned_width(self, width: int) -> None:
+        """The router's planner sized this pool (`serve_app.autoscale`)."""
+        self.planned_width = width
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics: the planned width, once there is one."""
+        return {} if self.planned_width is None else {PLANNED_WIDTH: float(self.planned_width)}
 
     async def check_health(self) -> None:
         await asyncio.wait_for(self.engine.state(), timeout=5.0)

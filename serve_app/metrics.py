@@ -14,7 +14,7 @@ application, deployment and replica tags); Prometheus sums them. Names start wit
 Every `refresh` (once a second): the router's counters as `disagg_router_events_total{event}`
 (fallbacks, retries, migrations, 429s, ...), each instance's `disagg_instance_backlog_seconds`,
 `disagg_instance_queued_requests` and `disagg_instance_kv_pressure{model, role, instance}`, and
-`disagg_router_loop_lag_seconds`.
+`disagg_router_loop_lag_seconds`. With the planner: `disagg_planned_width{model, pool}`.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ class RouterMetrics:
         self.kv_pressure = Gauge("disagg_instance_kv_pressure", "KV cache in use / capacity",
                                  tag_keys=("model", "role", "instance"))
         self.loop_lag = Gauge("disagg_router_loop_lag_seconds", "how far the router's event loop runs behind")
+        self.planned_width = Gauge("disagg_planned_width", "each pool's width as the SLO-driven planner last set it",
+                                   tag_keys=("model", "pool"))
         self._counted: dict[str, int] = {}
 
     def request_finished(self, record: dict, model: str, ttft_target_s: float, tpot_target_s: float) -> None:
@@ -102,6 +104,11 @@ class RouterMetrics:
             policy = {"model": model, "policy": decision["policy"]}
             self.ttft_predicted.observe(predicted, tags=policy)
             self.ttft_error.observe(abs(predicted - ttft) / ttft, tags=policy)
+
+    def planned(self, model: str, widths: dict[str, int]) -> None:
+        """The planner's latest plan: {pool: width} (serve_app.planning)."""
+        for pool, width in widths.items():
+            self.planned_width.set(width, tags={"model": model, "pool": pool})
 
     def refresh(self, counters, instances: Iterable[tuple[str, InstanceView]], loop_lag_s: float) -> None:
         """The counters' growth since the last refresh, each instance's load, the loop's lag."""

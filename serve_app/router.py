@@ -37,6 +37,7 @@ import json
 import logging
 import math
 import os
+import time
 import uuid
 from dataclasses import asdict
 from typing import AsyncIterator
@@ -50,6 +51,7 @@ from ray.serve.handle import DeploymentHandle
 
 from disagg.core.admission import shed, shed_for_lag
 from disagg.core.ledger import Ledger
+from disagg.core.planner import Planner, Widths
 from disagg.core.types import Role, SloClass
 from disagg.core.utility import AccuracyTable
 from serve_app.access import Access, CostModelFiles
@@ -58,6 +60,7 @@ from serve_app.config import AppConfig, MultiModelConfig, is_multi_model
 from serve_app.dispatcher import Dispatcher, Flight
 from serve_app.loop_lag import LoopLag
 from serve_app.metrics import RouterMetrics
+from serve_app.planning import merge
 from serve_app.openai_api import (
     STREAM_DONE, ApiError, choice_logprobs, completion_body, new_id, parse_request, stream_chunk, usage,
 )
@@ -175,12 +178,54 @@ class Router:
         self._lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run())
         self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
         self._share_task = asyncio.get_running_loop().create_task(self._share_prefixes())
+        self.last_plan: dict | None = None  # the planner's latest plan (rank 0 only)
+        self._plan_task = None
+        if rank == 0 and not self.alias and (planned := rc.planned_pools(views[next(iter(views))].pools())):
+            self._plan_task = asyncio.get_running_loop().create_task(self._plan_forever(planned))
 
     def stop_background(self) -> None:
         """Stop polling the engines, measuring the loop's lag, exporting metrics and sharing prefix
         records (in-process tests drive the first two themselves)."""
-        for task in (self._poll_task, self._lag_task, self._metrics_task, self._share_task):
-            task.cancel()
+        for task in (self._poll_task, self._lag_task, self._metrics_task, self._share_task, self._plan_task):
+            if task is not None:
+                task.cancel()
+
+    async def take_window(self) -> dict:
+        """This replica's counts for the planner since they were last taken (serve_app.planning)."""
+        return self.dispatcher.window.take()
+
+    async def _plan_forever(self, planned: list[str]) -> None:
+        """Size the planned pools every `router.planner.interval_s` (serve_app.planning)."""
+        m = next(iter(self.served.values()))
+        pools = m.cfg.pools()
+        bounds = {name: (p.autoscaling.min_replicas, p.autoscaling.max_replicas) if name in planned
+                  else (p.num_replicas, p.num_replicas) for name, p in pools.items()}
+        cfg = m.cfg.router.planner.model_copy(update={
+            "min_prefill": bounds["prefill"][0], "max_prefill": bounds["prefill"][1],
+            "min_decode": max(1, bounds["decode"][0]), "max_decode": bounds["decode"][1]})
+        planner = Planner(m.cost_model, cfg)
+        current = Widths(pools["prefill"].num_replicas, pools["decode"].num_replicas)
+        while True:
+            await asyncio.sleep(cfg.interval_s)
+            try:
+                counts = [self.dispatcher.window.take()] if self._peers is None else [
+                    r for r in await self._peers.broadcast("take_window").results_async(
+                        timeout_s=ADMIN_TIMEOUT_S, return_exceptions=True) if isinstance(r, dict)]
+                kv = max((v.pressure_after(0) for v in self.registry.views(m, Role.DECODE)), default=0.0)
+                window = merge(counts, cfg.interval_s, kv)
+                planner.cm = m.cost_model  # it may have been reloaded (/admin/cost_model)
+                plan = planner.plan(window, current)
+                if plan.widths != current:  # one line per change (INFO is not shown on the fast path)
+                    logger.warning("router planner: %s", "; ".join(plan.reasons))
+                current = plan.widths
+                for name in planned:
+                    width = getattr(plan.widths, name)
+                    await m.handles[Role(name)].broadcast("set_planned_width", width).results_async(
+                        timeout_s=ADMIN_TIMEOUT_S, return_exceptions=True)
+                self.last_plan = {**plan.as_dict(), "time": time.time(), "window": asdict(window)}
+                self.metrics.planned(m.name, {"prefill": plan.widths.prefill, "decode": plan.widths.decode})
+            except Exception as e:  # never let the planner die: the pools would freeze at their widths
+                logger.warning("router planner: planning failed: %s: %s", type(e).__name__, e)
 
     async def _share_prefixes(self) -> None:
         """Send the prefix records this replica made to the other router replicas, in batches."""
@@ -260,6 +305,8 @@ class Router:
                 if not isinstance(reply, BaseException):
                     routers[reply["router"]] = reply
         state["router"], state["routers"] = self.router_id, routers
+        plans = [r["plan"] for r in routers.values() if r.get("plan")]
+        state["planner"] = plans[0] if plans else None  # rank 0's latest plan
         state["counters"] = {k: sum(r["counters"].get(k, 0) for r in routers.values()) for k in state["counters"]}
         state["in_flight"] = sum(r["in_flight"] for r in routers.values())
         return JSONResponse(state)
@@ -267,7 +314,8 @@ class Router:
     async def router_summary(self) -> dict:
         """This replica's id, counters and requests in flight: `/admin/state` on any replica sums them."""
         return {"router": self.router_id, "counters": asdict(self.counters), "in_flight": len(self.ledger),
-                "pid": os.getpid(), "loop_lag_s": self.loop_lag.lag_s, "loop_lag_peak_s": self.loop_lag.peak_s}
+                "pid": os.getpid(), "loop_lag_s": self.loop_lag.lag_s, "loop_lag_peak_s": self.loop_lag.peak_s,
+                "plan": self.last_plan}
 
     @fastapi_app.post("/admin/policy")
     async def admin_policy(self, request: Request) -> Response:

@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 from disagg.core.cost_model import CostModel
 from disagg.core.policies import build_policy
 from disagg.core.predictor import BucketMeanPredictor, NoisyPredictor
+from disagg.sim.autoscaling import Scaler
 from disagg.sim.metrics import percentile, summarize
 from disagg.sim.simulator import SimResult, Simulator, Topology
 from disagg.sim.traces import TraceRequest, assign_slo_classes, rescale_to_rate, trace_stats
@@ -79,17 +80,20 @@ def simulate(
     routers: int = 1,
     others_totals: bool = True,
     peer_notify_s: float | None = None,
+    scaler: Scaler | None = None,
+    startup_s: float = 60.0,
 ) -> tuple[dict, SimResult]:
     """One policy through the simulator. `router_cost_model` lets the router believe other
     constants than the engines really have (the miscalibration study). `routers` router replicas
     share the arrivals in turn; `others_totals=False` hides the engines' received-call ledgers
-    from them, `peer_notify_s` adds the routers' notices to each other (see `Simulator`)."""
+    from them, `peer_notify_s` adds the routers' notices to each other (see `Simulator`). With a
+    `scaler` the pools' widths change (disagg.sim.autoscaling), `topology` being each pool's most."""
     policy = build_policy(policy_name, router_cost_model or cost_model, policy_params)
     predictor = BucketMeanPredictor()
     if predictor_error > 0:
         predictor = NoisyPredictor(predictor, predictor_error, seed=seed)
     sim = Simulator(cost_model, topology, policy, predictor, poll_interval_s=poll_interval_s, routers=routers,
-                    others_totals=others_totals, peer_notify_s=peer_notify_s)
+                    others_totals=others_totals, peer_notify_s=peer_notify_s, scaler=scaler, startup_s=startup_s)
     trace, capped = clamp_to_context(trace, cost_model.engine.kv_capacity_tokens)
     result = sim.run(trace, progress=progress)
     summary = summarize(result.records, result.instance_tokens)

@@ -54,6 +54,15 @@ reached the decode instance, there too. The KV transfer moves only the tokens of
 decode instance does not already hold. Policies see the caches through
 `InstanceView.cached_prefix_blocks` — the engines' true, current caches (as a router fed by the
 engines' KV-cache events would), side-effect free.
+
+Pool widths that change (`scaler`, off by default; disagg.sim.autoscaling): the topology is then
+the most instances each pool may have. The scaler's initial widths serve from 0, the others are
+off; every `scaler.interval_s` the scaler is shown the fleet and what the router saw, and its
+widths are applied: a started instance serves `startup_s` later, a drained one leaves the routing
+at once and is released when it holds no request. The router's policy sees only the instances
+that serve. The scaler's evaluations and the start-ups are merged into the run beside the event
+heap, like the arrivals, and never keep it going: the run ends with its last request. Without a
+scaler nothing of this runs, and results are what they were.
 """
 
 from __future__ import annotations
@@ -71,13 +80,18 @@ from disagg.core.engine_model import EngineModel, Job
 from disagg.core.ledger import AdmittedWork, Ledger, PolledState, admission_work, others
 from disagg.core.policies import Policy
 from disagg.core.predictor import BucketMeanPredictor, OutputLengthPredictor
+from disagg.core.planner import Widths
 from disagg.core.types import PREFIX_BLOCK_TOKENS, InstanceView, NoCapacity, RequestFeatures, Role, SloClass
+from disagg.sim.autoscaling import POOLS, Fleet, FleetState, Scaler, Signals, Started, width_of
 from disagg.sim.metrics import RequestRecord
 from disagg.core.prefix_cache import PrefixCache
 from disagg.sim.traces import TraceRequest
 
 # event priorities at equal times: finish work before admitting more
 _STEP, _TRANSFER, _ARRIVAL = 0, 1, 2
+# control events (merged in before engine events and arrivals at equal times): an instance that
+# is ready serves before the scaler looks at the fleet
+_READY, _TICK = 0, 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +165,8 @@ class Simulator:
         routers: int = 1,
         others_totals: bool = True,
         peer_notify_s: float | None = None,
+        scaler: Scaler | None = None,
+        startup_s: float = 60.0,
     ) -> None:
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
@@ -184,8 +200,22 @@ class Simulator:
         for iid in topology.decode_ids():
             self.engines[iid] = EngineModel(iid, cost_model.for_instance(iid))
             self.roles[iid] = Role.DECODE
-        self.prefill_ids = topology.prefill_ids()
+        self.prefill_ids = topology.prefill_ids()  # the instances the router may route to
         self.decode_ids = topology.decode_ids()
+        # changing widths: the fleet's life cycle and what the scaler reads (None: fixed, all serve)
+        self.scaler = scaler
+        self.fleet: Fleet | None = None
+        self.signals: Signals | None = None
+        self._control: list = []  # heap of (time, priority, seq, event): start-ups and scaler evaluations
+        if scaler is not None:
+            if scaler.interval_s is not None and not (scaler.interval_s > 0 and math.isfinite(scaler.interval_s)):
+                raise ValueError(f"scaler {scaler.name!r}: interval_s must be None or a finite number > 0, "
+                                 f"got {scaler.interval_s!r}")
+            self.fleet = Fleet({Role.PREFILL: self.prefill_ids, Role.DECODE: self.decode_ids}, scaler.initial,
+                               startup_s)
+            self.signals = Signals()
+            self._sync_active()
+            self._ticks = self._control_seq = 0
         # each engine's own ledger of the calls it is serving, per router (the live engines' class)
         self.router_ids = [f"router-{k}" for k in range(routers)]
         self.received = {iid: AdmittedWork() for iid in self.engines}
@@ -351,7 +381,15 @@ class Simulator:
         perf = time.perf_counter
         heap = self._heap
         awaiting_prefill = self._awaiting_prefill
+        fleet, signals, control = self.fleet, self.signals, self._control
+        if self.scaler is not None and self.scaler.interval_s is not None:
+            self._push_control(self.scaler.interval_s, _TICK, ("tick",))
         while heap or a < n_arrivals:
+            if control and (not heap or control[0][0] <= heap[0][0]) and \
+                    (a == n_arrivals or control[0][0] <= arrivals[a]):
+                now, _, _, ev = heapq.heappop(control)
+                self._control_event(ev, now)
+                continue
             if heap and (a == n_arrivals or heap[0][0] <= arrivals[a]):
                 now, _, _, ev = heapq.heappop(heap)
                 kind = ev[0]
@@ -372,6 +410,9 @@ class Simulator:
                     f: _Flight = job.payload
                     if f.req.prefix_hashes:
                         self._cache_prompt(iid, f.req)
+                    if signals is not None:  # the prefill call returns, the decode call begins
+                        signals.ongoing(Role.PREFILL, -1, now)
+                        signals.ongoing(Role.DECODE, 1, now)
                     self._call_ended(iid, f.router, f.prefill_work_s)  # the prefill call returns
                     dj = Job(f.rid, f.req.prompt_tokens, f.req.output_tokens, remote_kv=True, payload=f)
                     f.decode_job = dj
@@ -392,7 +433,12 @@ class Simulator:
                         instance_tokens[f.prefill_id] += f.req.prompt_tokens
                     else:
                         instance_tokens[f.decode_id] += f.req.prompt_tokens
-                    records.append(self._record(f, job, now))
+                    rec = self._record(f, job, now)
+                    records.append(rec)
+                    if fleet is not None:
+                        signals.ongoing(Role.DECODE, -1, now)
+                        signals.served(rec, self.cm.target(f.slo))
+                        fleet.done(f.decode_id, now)
                     if progress:
                         progress(1)
                 self._poke(iid, now)
@@ -401,6 +447,8 @@ class Simulator:
                 self._refresh(f.prefill_id, now)
                 self._refresh(f.decode_id, now)
                 self.engines[f.prefill_id].release(f.prefill_job)
+                if fleet is not None:  # the prefill instance holds no more of it
+                    fleet.done(f.prefill_id, now)
                 self.ledgers[f.router].prefill_done(f.rid)
                 self.engines[f.decode_id].kv_arrived(f.decode_job)
                 if f.req.prefix_hashes:
@@ -412,6 +460,8 @@ class Simulator:
                 k = i % self.routers
                 policy = self.policies[k]
                 slo = r.slo_class or default_slo
+                if signals is not None:
+                    signals.arrived(r.prompt_tokens, slo)
                 predicted = self.predictors[k].predict(r.prompt_tokens, slo)
                 feats = RequestFeatures(f"r{i}", r.prompt_tokens, predicted, slo, r.output_tokens, r.prefix_hashes)
                 pv, dv = self._views(self.prefill_ids, now, k), self._views(self.decode_ids, now, k)
@@ -432,6 +482,8 @@ class Simulator:
                 f = _Flight(r, f"r{i}", slo, predicted, d.prefill_id, d.decode_id, router=k)
                 self._admit(f, now)
         extra = {}
+        if fleet is not None:
+            extra["autoscaling"] = {"scaler": self.scaler.name, "startup_s": fleet.startup_s, **fleet.summary(now)}
         if self.prefix_stats["requests"]:
             st = self.prefix_stats
             extra["prefix_cache"] = {**st, "hit_rate": st["cached_tokens"] / st["prompt_tokens"]}
@@ -454,6 +506,12 @@ class Simulator:
                                                    r.prompt_tokens, f.predicted, ledger.queued(f.decode_id))
         ledger.admit(f.rid, f.prefill_id, f.decode_id, prefill_work, decode_work, r.prompt_tokens)
         f.prefill_work_s, f.decode_work_s = prefill_work, decode_work
+        if self.fleet is not None:
+            self.fleet.assign(f.decode_id)
+            if f.prefill_id != f.decode_id:
+                self.fleet.assign(f.prefill_id)
+            # ongoing from the call: on the prefill pool, or on the decode pool for a colocated request
+            self.signals.ongoing(Role.DECODE if f.prefill_id == f.decode_id else Role.PREFILL, 1, now)
         # the call reaches its engine now (its poll was taken in _views, at this same time)
         if self.peer_notify_s is not None:
             if f.prefill_id == f.decode_id:
@@ -477,6 +535,41 @@ class Simulator:
             self._call_arrived(f.prefill_id, f.router, prefill_work)
             self.engines[f.prefill_id].submit(job)
             self._poke(f.prefill_id, now)
+
+    # --- changing widths (with a scaler only) ---------------------------------------------------------
+
+    def _push_control(self, t: float, prio: int, event: tuple) -> None:
+        self._control_seq += 1  # its own sequence: the engine events' stays what it was without a scaler
+        heapq.heappush(self._control, (t, prio, self._control_seq, event))
+
+    def _sync_active(self) -> None:
+        self.prefill_ids = self.fleet.active(Role.PREFILL)
+        self.decode_ids = self.fleet.active(Role.DECODE)
+
+    def _control_event(self, ev: tuple, now: float) -> None:
+        if ev[0] == "ready":
+            if self.fleet.activate(ev[1], now):
+                self._sync_active()
+            return
+        scaler, fleet = self.scaler, self.fleet
+        # the highest KV pressure of a serving decode instance, read from the engines now
+        kv = max((self.engines[i].kv_used_tokens / self.engines[i].c.kv_capacity_tokens for i in self.decode_ids),
+                 default=0.0)
+        state = FleetState(now, fleet.widths(), fleet.serving(), self.signals.take_window(scaler.interval_s, kv),
+                           self.signals.ongoing_s(Role.PREFILL, now), self.signals.ongoing_s(Role.DECODE, now))
+        want = scaler.decide(state)
+        if not (isinstance(want, Widths) and 0 <= want.prefill <= self.topology.prefill
+                and 1 <= want.decode <= self.topology.decode):
+            raise ValueError(f"scaler {scaler.name!r} asked for {want!r} at t={now:.3f} s; widths must be within "
+                             f"0..{self.topology.prefill} prefill and 1..{self.topology.decode} decode instances")
+        for role in POOLS:
+            started: list[Started] = fleet.resize(role, width_of(want, role), now)
+            for s in started:
+                self._push_control(s.ready_at, _READY, ("ready", s))
+        self._sync_active()
+        # the next evaluation on the grid k·interval (not a running sum: no drift over a long run)
+        self._ticks += 1
+        self._push_control((self._ticks + 1) * scaler.interval_s, _TICK, ("tick",))
 
     # --- prefix caches (requests with prefix hashes only) ------------------------------------------
 

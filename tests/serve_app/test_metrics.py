@@ -121,3 +121,10 @@ def test_the_shipped_grafana_dashboard_reads_only_series_the_router_exports(metr
     used = {m.group(1) for e in exprs for m in re.finditer(r"ray_(disagg_\w+?)(?:_bucket)?\b", e)}
     assert used and used <= exported, used - exported
     assert used == exported  # and every series has a panel
+
+
+def test_the_planners_widths_are_exported_per_pool(metrics):
+    metrics.planned("m", {"prefill": 1, "decode": 3})
+    metrics.planned("m", {"prefill": 1, "decode": 2})
+    assert metrics.planned_width.values[(("model", "m"), ("pool", "decode"))] == [3, 2]
+    assert metrics.planned_width.values[(("model", "m"), ("pool", "prefill"))] == [1, 1]

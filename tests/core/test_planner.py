@@ -1,0 +1,104 @@
+"""The SLO-driven planner (disagg.core.planner): model sizing, feedback, slow scale-down, bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.core.cost_model import load_profile
+from disagg.core.planner import Planner, PlannerConfig, Widths, Window
+from disagg.core.types import SloClass
+
+CM = load_profile("a40")
+WIDE = PlannerConfig(max_prefill=32, max_decode=32)
+
+
+def window(rate: float, prompt: float = 1000, output: float = 250, tight: bool = True, **kw) -> Window:
+    n = round(rate * 10)
+    return Window(10.0, n, prompt, output, tight_arrivals=n if tight else 0, **kw)
+
+
+def test_the_model_grows_with_the_load_and_asks_nothing_of_an_idle_window():
+    p = Planner(CM, WIDE)
+    widths = [p.model_widths(window(r)) for r in (1, 5, 10, 20, 40, 80)]
+    assert all(a.prefill <= b.prefill and a.decode <= b.decode for a, b in zip(widths, widths[1:]))
+    assert widths[-1].prefill > widths[0].prefill and widths[-1].decode > widths[0].decode
+    assert p.model_widths(Window(10.0, 0)) == Widths(0, 0)
+    # loose targets need no more than tight ones
+    loose = p.model_widths(window(40, tight=False))
+    assert loose.prefill <= widths[4].prefill and loose.decode <= widths[4].decode
+
+
+def test_the_prefill_width_is_the_smallest_that_keeps_the_predicted_ttft_within_headroom():
+    p = Planner(CM, WIDE)
+    w = window(40)
+    n = p.model_widths(w).prefill
+    s = CM.engine.prefill_s(1000)
+    budget = WIDE.headroom * CM.target(SloClass.TIGHT).ttft_s - CM.transfer.transfer_s(1000)
+
+    def ttft(width: int) -> float:
+        u = w.rate * s / width
+        return float("inf") if u >= 1 else s * (1 + u / (2 * (1 - u)))
+
+    assert ttft(n) <= budget < ttft(n - 1)
+
+
+def test_the_decode_width_is_the_smallest_whose_steady_batch_meets_tpot_and_fits_the_kv():
+    p = Planner(CM, WIDE)
+    e = CM.engine
+    tpot = WIDE.headroom * CM.target(SloClass.TIGHT).tpot_s
+
+    def fits(n: int, prompt: float) -> bool:
+        x = 40 * 250 / n  # tokens per second per instance
+        if x * e.decode_seq_s >= 1:
+            return False
+        b = x * e.step_base_s / (1 - x * e.decode_seq_s)
+        return e.decode_token_s(1) - e.decode_seq_s + e.decode_seq_s * b <= tpot and \
+            b * (prompt + 125) <= WIDE.kv_limit * e.kv_capacity_tokens
+
+    d = p.model_widths(window(40)).decode
+    assert fits(d, 1000) and (d == 1 or not fits(d - 1, 1000))
+    long = p.model_widths(window(40, prompt=8000)).decode  # long prompts fill the KV first
+    assert long > d and fits(long, 8000) and not fits(long - 1, 8000)
+
+
+@pytest.mark.parametrize("signal, grows", [(dict(ttft_met=0.5), "prefill"), (dict(tpot_met=0.5), "decode"),
+                                           (dict(kv_pressure=0.95), "decode")])
+def test_missed_targets_add_an_instance_to_the_pool_they_blame(signal, grows):
+    p = Planner(CM, WIDE)
+    w = window(1, finished=10, **signal)
+    assert p.model_widths(w) == Widths(1, 1)
+    plan = p.plan(w, Widths(2, 2))
+    assert getattr(plan.widths, grows) == 3
+    other = "decode" if grows == "prefill" else "prefill"
+    assert getattr(plan.widths, other) == 2
+    assert any(f"+1 {grows}" in r for r in plan.reasons)
+
+
+def test_pools_grow_at_once_and_shrink_one_at_a_time_after_a_streak():
+    p = Planner(CM, PlannerConfig(max_prefill=32, max_decode=32, down_after=3))
+    busy = p.plan(window(40), Widths(1, 1)).widths
+    assert busy == p.model_widths(window(40))  # straight to the target
+    widths, seen = busy, []
+    for _ in range(7):
+        widths = p.plan(window(1), widths).widths
+        seen.append(widths)
+    assert seen[0] == seen[1] == busy  # two quiet windows change nothing
+    assert seen[2] == Widths(busy.prefill - 1, busy.decode - 1)
+    assert seen[5] == Widths(busy.prefill - 2, busy.decode - 2)
+    # a busy window in between resets the streak
+    p2 = Planner(CM, PlannerConfig(max_prefill=32, max_decode=32, down_after=2))
+    w = p2.plan(window(1), busy).widths
+    w = p2.plan(window(40), w).widths
+    assert p2.plan(window(1), w).widths == busy
+
+
+def test_widths_stay_within_the_bounds():
+    cfg = PlannerConfig(min_prefill=2, max_prefill=3, min_decode=1, max_decode=2, down_after=1)
+    p = Planner(CM, cfg)
+    assert p.plan(window(200), Widths(2, 1)).widths == Widths(3, 2)
+    assert p.plan(Window(10.0, 0), Widths(2, 1)).widths == Widths(2, 1)
+
+
+def test_bad_bounds_are_refused_naming_them():
+    with pytest.raises(ValueError, match="min widths"):
+        PlannerConfig(min_prefill=4, max_prefill=2)

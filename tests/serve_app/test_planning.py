@@ -1,0 +1,95 @@
+"""The planner's live wiring: the config (`autoscaling.policy: planner`, `router.planner`), Serve's
+custom policy function (serve_app.autoscale) and the window counter (serve_app.planning)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from disagg.core.cost_model import SloTarget
+from disagg.core.types import SloClass
+from serve_app.app import _pool_options
+from serve_app.autoscale import PLANNED_WIDTH, planned_replicas
+from serve_app.config import PLANNER_POLICY, AppConfig, ConfigError, parse_args
+from serve_app.planning import WindowCounter, merge
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _args(name: str) -> dict:
+    return yaml.safe_load((ROOT / "deployments" / name).read_text())["applications"][0]["args"]
+
+
+def test_the_shipped_autoscale_profile_hands_its_decode_pool_to_the_planner():
+    cfg = parse_args(_args("local-autoscale.yaml"))
+    assert isinstance(cfg, AppConfig) and cfg.router.planned_pools(cfg.pools()) == ["decode"]
+    serve = _pool_options("decode", cfg.decode, False)["autoscaling_config"]
+    assert serve["policy"] == {"policy_function": PLANNER_POLICY}
+    assert (serve["min_replicas"], serve["max_replicas"]) == (1, 3)
+    assert "policy" not in _pool_options("prefill", cfg.prefill, False).get("autoscaling_config", {})
+    assert cfg.router.planner.interval_s == 5
+    again = parse_args(cfg.model_dump(mode="json"))  # Serve hands the router the dumped config
+    assert again.router.planner == cfg.router.planner
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda a: a["router"].update(planner={"max_decode": 4}), "max_decode"),
+    (lambda a: a["decode"]["autoscaling"].update(policy="magic"), "policy"),
+    (lambda a: a["router"].update(planner={"headroom": 1.5}), "headroom"),
+])
+def test_bad_planner_settings_name_the_field(change, field):
+    args = _args("local-autoscale.yaml")
+    change(args)
+    with pytest.raises(ConfigError, match=field):
+        parse_args(args)
+
+
+def test_a_colocated_pool_cannot_be_planned():
+    args = _args("local-autoscale.yaml")
+    pool = args.pop("decode")
+    args.pop("prefill")
+    args["colocated"] = pool
+    args["router"]["policy"] = "colocated"
+    with pytest.raises(ConfigError, match="colocated.autoscaling.policy"):
+        parse_args(args)
+
+
+@dataclass
+class _Sample:
+    timestamp: float
+    value: float
+
+
+class _Ctx:
+    def __init__(self, raw, target=2):
+        self.raw_metrics, self.target_num_replicas = raw, target
+
+
+def test_serve_takes_the_newest_planned_width_any_replica_reported():
+    raw = {PLANNED_WIDTH: {"r1": [_Sample(1.0, 3), _Sample(5.0, 2)], "r2": [_Sample(4.0, 3)], "r3": []}}
+    assert planned_replicas(_Ctx(raw)) == (2, {})
+    # before any plan the pool keeps its target: a router that has not planned must not shrink it
+    assert planned_replicas(_Ctx({}, target=3)) == (3, {})
+    assert planned_replicas(_Ctx(None, target=1)) == (1, {})
+
+
+def test_the_window_counts_arrivals_and_attainment_and_merges_router_replicas():
+    target = SloTarget(ttft_s=0.1, tpot_s=0.01)
+    a, b = WindowCounter(), WindowCounter()
+    a.admitted(1000, SloClass.TIGHT)
+    a.admitted(500, SloClass.LOOSE)
+    b.admitted(300, SloClass.LOOSE)
+    a.served({"ttft_s": 0.05, "e2e_s": 0.05 + 0.005 * 9, "output_tokens": 10}, target)  # meets both
+    a.served({"ttft_s": 0.20, "e2e_s": 0.20 + 0.02 * 9, "output_tokens": 10}, target)  # misses both
+    b.served({"ttft_s": 0.05, "e2e_s": 0.05 + 0.02 * 19, "output_tokens": 20}, target)  # misses TPOT
+    b.served({"ttft_s": None, "e2e_s": None, "output_tokens": 0}, target)  # never started: not counted
+    w = merge([a.take(), b.take()], seconds=10.0, kv_pressure=0.4)
+    assert (w.arrivals, w.rate, w.tight_arrivals, w.finished) == (3, 0.3, 1, 3)
+    assert w.mean_prompt_tokens == pytest.approx(600) and w.mean_output_tokens == pytest.approx(40 / 3)
+    assert w.ttft_met == pytest.approx(2 / 3) and w.tpot_met == pytest.approx(1 / 3) and w.kv_pressure == 0.4
+    assert a.take() == WindowCounter().take()  # taken counts start again from zero
+    idle = merge([], seconds=5.0, kv_pressure=0.0)
+    assert (idle.arrivals, idle.ttft_met, idle.tpot_met) == (0, 1.0, 1.0)
