@@ -161,6 +161,7 @@ class StandInPool:
     def __init__(self, role: Role | str, ids: list[str]) -> None:
         self.role, self.ids = role, ids
         self.calls: list[tuple[str, str, Any]] = []
+        self.broadcasts: list[tuple[str, tuple]] = []  # (method, args) of every broadcast but the polls
 
     def state(self, replica: str):
         return idle_state(replica, self.role)
@@ -174,7 +175,9 @@ class StandInPool:
     def decode_stream(self, call, replica: str):
         raise NotImplementedError("a decode pool's test says how it streams")
 
-    def broadcast(self, method: str) -> BroadcastResults:
+    def broadcast(self, method: str, *args) -> BroadcastResults:
+        if method != "state":
+            self.broadcasts.append((method, args))
         return BroadcastResults([self.state(r) if method == "state" else {} for r in self.ids])
 
     def options(self, **kw) -> "StandInPool":

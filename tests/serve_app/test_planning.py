@@ -93,3 +93,43 @@ def test_the_window_counts_arrivals_and_attainment_and_merges_router_replicas():
     assert a.take() == WindowCounter().take()  # taken counts start again from zero
     idle = merge([], seconds=5.0, kv_pressure=0.0)
     assert (idle.arrivals, idle.ttft_met, idle.tpot_met) == (0, 1.0, 1.0)
+
+
+def test_the_router_plans_from_its_window_and_sends_the_planned_pool_its_width():
+    """The real Router in-process (rank 0, no peers) over stand-in pools, with local-autoscale.yaml's
+    settings and a 0.2 s planning interval: a window of requests that missed their TPOT target makes
+    the planner widen the decode pool, and the decode replicas are told the new width; the fixed
+    prefill pool is never told anything."""
+    import asyncio
+    import copy
+
+    from factories import StandInPool
+    from serve_app.router import Router
+
+    async def scenario():
+        args = copy.deepcopy(_args("local-autoscale.yaml"))
+        args["router"].update(request_log=None, planner={"interval_s": 0.2, "down_after": 4})
+        prefill, decode = StandInPool("prefill", ["p0"]), StandInPool("decode", ["d0"])
+        cls = Router.__mro__[1]
+        r = cls.__new__(cls)
+        await r.__init__(prefill, decode, args)
+        try:
+            target = r.served["tiny-qwen2"].cost_model.target(SloClass.LOOSE)
+            r.dispatcher.window.admitted(300, SloClass.LOOSE)  # 5 req/s over the 0.2 s window: 1P1D by the model
+            for _ in range(20):  # ... but every request finished met its TTFT and missed its TPOT target
+                r.dispatcher.window.served({"ttft_s": 0.01, "e2e_s": 0.01 + 99 * 2 * target.tpot_s,
+                                            "output_tokens": 100}, target)
+            for _ in range(50):  # bounded: 5 s
+                if decode.broadcasts:
+                    break
+                await asyncio.sleep(0.1)
+            return r.last_plan, prefill.broadcasts, decode.broadcasts
+        finally:
+            r.stop_background()
+
+    plan, to_prefill, to_decode = asyncio.run(scenario())
+    assert to_decode and to_decode[0] == ("set_planned_width", (2,))
+    assert to_prefill == []
+    assert (plan["prefill"], plan["decode"]) == (1, 2) and plan["model"] == {"prefill": 1, "decode": 1}
+    assert plan["window"]["tpot_met"] == 0.0
+    assert any("TPOT attainment" in reason for reason in plan["reasons"])
