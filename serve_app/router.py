@@ -204,10 +204,13 @@ class Router:
             "min_prefill": bounds["prefill"][0], "max_prefill": bounds["prefill"][1],
             "min_decode": max(1, bounds["decode"][0]), "max_decode": bounds["decode"][1]})
         planner = Planner(m.cost_model, cfg)
-        current = Widths(pools["prefill"].num_replicas, pools["decode"].num_replicas)
+        current: Widths | None = None
         while True:
             await asyncio.sleep(cfg.interval_s)
             try:
+                if current is None:  # a restarted router starts from the pools as they are, not as configured
+                    current = Widths(*(max(pools[name].num_replicas, len(self.registry.pool(m, Role(name))))
+                                       for name in ("prefill", "decode")))
                 counts = [self.dispatcher.window.take()] if self._peers is None else [
                     r for r in await self._peers.broadcast("take_window").results_async(
                         timeout_s=ADMIN_TIMEOUT_S, return_exceptions=True) if isinstance(r, dict)]
