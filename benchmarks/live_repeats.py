@@ -20,7 +20,6 @@ straddle zero is not an effect.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path

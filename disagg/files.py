@@ -52,6 +52,12 @@ def write_text_atomic(path: str | os.PathLike[str], text: str, *, permissions: i
         f.write(text)
 
 
+def write_figure(fig: Any, path: str | os.PathLike[str], **savefig: Any) -> None:
+    """A matplotlib figure as a PNG anyone on the machine may read (`savefig` adds options)."""
+    with atomic_write(path, "wb", permissions=SHARED) as f:
+        fig.savefig(f, format="png", dpi=110, **savefig)
+
+
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
     """Indented JSON and a final newline. NaN is written as JSON's invalid `NaN`: pass `json_safe(data)`."""
     with atomic_write(path) as f:

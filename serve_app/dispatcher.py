@@ -47,6 +47,7 @@ from typing import Any, AsyncIterator
 from disagg.core.ledger import Ledger, admission_work
 from disagg.core.latency_routing import ModelInstance, route_by_latency
 from disagg.core.policies import Colocated
+from disagg.core.planner import WindowCounter
 from disagg.core.predictor import BucketMeanPredictor
 from disagg.core.prefix_index import PrefixIndex, prompt_block_hashes
 from disagg.core.ttft_estimator import TtftEstimateError
@@ -56,7 +57,7 @@ from serve_app.instance_state import FlightFacts, instance_snapshot
 from serve_app.metrics import RouterMetrics
 from serve_app.messages import DecodeCall, DecodeChunk, InvalidRequest, PrefillCall, PrefillReply
 from serve_app.openai_api import ApiError, openai_param
-from serve_app.planning import WindowCounter
+from serve_app.planning import count_served
 from serve_app.registry import Instance, InstanceRegistry
 from serve_app.request_log import Counters, RequestLog, request_record
 from serve_app.served_model import ServedModel
@@ -583,6 +584,6 @@ class Dispatcher:
         if f.model is not None:
             target = f.model.cost_model.target(f.slo)
             if error is None:
-                self.window.served(record, target)
+                count_served(self.window, record, target)
             if self.metrics is not None:
                 self.metrics.request_finished(record, f.model.name, target.ttft_s, target.tpot_s)

@@ -51,7 +51,7 @@ from ray.serve.handle import DeploymentHandle
 
 from disagg.core.admission import shed, shed_for_lag
 from disagg.core.ledger import Ledger
-from disagg.core.planner import Planner, Widths
+from disagg.core.planner import Planner, Widths, merge_window
 from disagg.core.types import Role, SloClass
 from disagg.core.utility import AccuracyTable
 from serve_app.access import Access, CostModelFiles
@@ -60,7 +60,6 @@ from serve_app.config import AppConfig, MultiModelConfig, is_multi_model
 from serve_app.dispatcher import Dispatcher, Flight
 from serve_app.loop_lag import LoopLag
 from serve_app.metrics import RouterMetrics
-from serve_app.planning import merge
 from serve_app.openai_api import (
     STREAM_DONE, ApiError, choice_logprobs, completion_body, new_id, parse_request, stream_chunk, usage,
 )
@@ -215,7 +214,7 @@ class Router:
                     r for r in await self._peers.broadcast("take_window").results_async(
                         timeout_s=ADMIN_TIMEOUT_S, return_exceptions=True) if isinstance(r, dict)]
                 kv = max((v.pressure_after(0) for v in self.registry.views(m, Role.DECODE)), default=0.0)
-                window = merge(counts, cfg.interval_s, kv)
+                window = merge_window(counts, cfg.interval_s, kv)
                 planner.cm = m.cost_model  # it may have been reloaded (/admin/cost_model)
                 plan = planner.plan(window, current)
                 if plan.widths != current:  # one line per change (INFO is not shown on the fast path)

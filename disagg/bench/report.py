@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from disagg.core.types import SloClass
-from disagg.files import SHARED, atomic_write, json_safe, write_json_atomic, write_text_atomic
+from disagg.files import SHARED, json_safe, write_figure, write_json_atomic, write_text_atomic
 from disagg.sim.metrics import percentile, summarize
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -227,11 +227,6 @@ def capacity_markdown(resolved: dict, traces: Sequence[str]) -> list[str]:
 # --- files -------------------------------------------------------------------------------------
 
 
-def _save_fig(fig, path: Path) -> None:
-    with atomic_write(path, "wb", permissions=SHARED) as f:
-        fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
-
-
 def plot_goodput(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -260,7 +255,7 @@ def plot_goodput(results: dict, path: Path) -> None:
     ax.set_title("Goodput per policy and trace")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    _save_fig(fig, path)
+    write_figure(fig, path, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -302,7 +297,7 @@ def plot_ttft_cdf(records: Sequence[dict], results: dict, path: Path) -> None:
         ax.set_title(f"TTFT CDF — {trace}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
-    _save_fig(fig, path)
+    write_figure(fig, path, bbox_inches="tight")
     plt.close(fig)
 
 

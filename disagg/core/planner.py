@@ -31,11 +31,11 @@ Every plan says why (`reasons`), for the log and the dashboard.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from disagg.core.cost_model import CostModel
+from disagg.core.cost_model import CostModel, SloTarget
 from disagg.core.types import SloClass
 
 
@@ -79,6 +79,53 @@ class Window:
     @property
     def rate(self) -> float:
         return self.arrivals / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(slots=True)
+class WindowCounter:
+    """Counts one planning window as it happens: the live router (each replica its own, merged by
+    `merge_window`) and the simulator count with this."""
+
+    arrivals: int = 0
+    prompt_tokens: int = 0
+    tight: int = 0
+    finished: int = 0
+    output_tokens: int = 0
+    ttft_met: int = 0
+    tpot_met: int = 0
+
+    def admitted(self, prompt_tokens: int, slo: SloClass) -> None:
+        self.arrivals += 1
+        self.prompt_tokens += prompt_tokens
+        self.tight += slo is SloClass.TIGHT
+
+    def served(self, output_tokens: int, ttft_s: float, tpot_s: float | None, target: SloTarget) -> None:
+        """A request finished with its first token after `ttft_s` and then `tpot_s` per token (None:
+        fewer than two tokens, no TPOT to miss)."""
+        self.finished += 1
+        self.output_tokens += output_tokens
+        self.ttft_met += ttft_s <= target.ttft_s
+        self.tpot_met += tpot_s is None or tpot_s <= target.tpot_s
+
+    def take(self) -> dict[str, int]:
+        """The counts as a dict (they travel between router replicas), and zero them."""
+        out = asdict(self)
+        for f in fields(self):
+            setattr(self, f.name, 0)
+        return out
+
+
+def merge_window(counts: list[dict[str, int]], seconds: float, kv_pressure: float) -> Window:
+    """One window from the counts of every counter (`WindowCounter.take`) over `seconds`."""
+    total = {f.name: sum(c.get(f.name, 0) for c in counts) for f in fields(WindowCounter)}
+    n, done = total["arrivals"], total["finished"]
+    return Window(seconds=seconds, arrivals=n,
+                  mean_prompt_tokens=total["prompt_tokens"] / n if n else 0.0,
+                  mean_output_tokens=total["output_tokens"] / done if done else 0.0,
+                  tight_arrivals=total["tight"], finished=done,
+                  ttft_met=total["ttft_met"] / done if done else 1.0,
+                  tpot_met=total["tpot_met"] / done if done else 1.0,
+                  kv_pressure=kv_pressure)
 
 
 @dataclass(frozen=True, slots=True)

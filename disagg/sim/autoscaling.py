@@ -37,7 +37,7 @@ integrated over time; the scaler answers the widths the pools should have.
   request on its decode replica from its routing.
 - `PlannerScaler`: `disagg.core.planner.Planner`, the code the live router runs, every
   `PlannerConfig.interval_s`, on a window built as the live router builds it
-  (serve_app.planning.WindowCounter): arrivals with their prompt lengths and SLO classes, finished
+  (the same `disagg.core.planner.WindowCounter`): arrivals with their prompt lengths and SLO classes, finished
   requests with their output lengths and whether they met their class's TTFT and TPOT targets,
   and the highest KV pressure of an active decode instance at the evaluation. Its plan is applied
   as is (the live config runs it with Serve's delays at 0: the planner has its own hysteresis).
@@ -54,7 +54,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from disagg.core.cost_model import SloTarget
-from disagg.core.planner import Plan, Planner, Widths, Window
+from disagg.core.planner import Plan, Planner, Widths, Window, WindowCounter, merge_window
 from disagg.core.types import Role, SloClass
 from disagg.sim.metrics import RequestRecord
 
@@ -269,40 +269,24 @@ class Signals:
     prompt lengths and SLO classes; finished requests with their output lengths and whether they
     met their class's targets), and each pool's ongoing requests over time."""
 
-    __slots__ = ("arrivals", "prompt_tokens", "tight", "finished", "output_tokens", "ttft_met", "tpot_met",
-                 "_ongoing", "_integral", "_since")
+    __slots__ = ("window", "_ongoing", "_integral", "_since")
 
     def __init__(self) -> None:
-        self._reset_window()
+        self.window = WindowCounter()
         self._ongoing = {r: 0 for r in POOLS}
         self._integral = {r: 0.0 for r in POOLS}
         self._since = {r: 0.0 for r in POOLS}
 
-    def _reset_window(self) -> None:
-        self.arrivals = self.prompt_tokens = self.tight = 0
-        self.finished = self.output_tokens = self.ttft_met = self.tpot_met = 0
-
     def arrived(self, prompt_tokens: int, slo: SloClass) -> None:
-        self.arrivals += 1
-        self.prompt_tokens += prompt_tokens
-        self.tight += slo is SloClass.TIGHT
+        self.window.admitted(prompt_tokens, slo)
 
     def served(self, record: RequestRecord, target: SloTarget) -> None:
         """A request finished; `target` is its SLO class's."""
-        self.finished += 1
-        self.output_tokens += record.output_tokens
-        self.ttft_met += record.ttft_s <= target.ttft_s
-        self.tpot_met += record.tpot_s is None or record.tpot_s <= target.tpot_s
+        self.window.served(record.output_tokens, record.ttft_s, record.tpot_s, target)
 
     def take_window(self, seconds: float, kv_pressure: float) -> Window:
-        """The window since the last call (serve_app.planning.merge's arithmetic), and start a new one."""
-        n, done = self.arrivals, self.finished
-        w = Window(seconds=seconds, arrivals=n, mean_prompt_tokens=self.prompt_tokens / n if n else 0.0,
-                   mean_output_tokens=self.output_tokens / done if done else 0.0, tight_arrivals=self.tight,
-                   finished=done, ttft_met=self.ttft_met / done if done else 1.0,
-                   tpot_met=self.tpot_met / done if done else 1.0, kv_pressure=kv_pressure)
-        self._reset_window()
-        return w
+        """The window since the last call, and start a new one."""
+        return merge_window([self.window.take()], seconds, kv_pressure)
 
     def ongoing(self, role: Role, delta: int, now: float) -> None:
         """A request began (+1) or ended (−1) being ongoing on the pool at `now`."""

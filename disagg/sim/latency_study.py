@@ -47,7 +47,7 @@ from typing import Sequence
 from disagg.core.cost_model import CostModel, load_profile
 from disagg.core.latency_routing import ModelInstance
 from disagg.core.utility import AccuracyTable, EvaluationError, ModelPrices, cost_estimate
-from disagg.files import SHARED, atomic_write, json_safe, write_json_atomic, write_text_atomic
+from disagg.files import SHARED, json_safe, write_figure, write_json_atomic, write_text_atomic
 from disagg.sim.latency_sim import (
     ROUTERS,
     FleetResult,
@@ -275,8 +275,7 @@ def plot(result: dict, path: Path) -> None:
                  f"({len(result['fleet'])} instances), {result['rate']:g} req/s, "
                  f"medians of {len(result['seeds'])} seed(s); accuracy is synthetic", fontsize=10)
     fig.tight_layout()
-    with atomic_write(path, "wb", permissions=SHARED) as f:
-        fig.savefig(f, format="png", dpi=110)
+    write_figure(fig, path)
     plt.close(fig)
 
 

@@ -27,7 +27,7 @@ from typing import Sequence
 from disagg.core.cost_model import CostModel, load_profile
 from disagg.core.planner import Planner, PlannerConfig, Widths
 from disagg.core.policies import PolicyError, policy_class
-from disagg.files import SHARED, atomic_write, json_safe, write_json_atomic, write_text_atomic
+from disagg.files import SHARED, json_safe, write_figure, write_json_atomic, write_text_atomic
 from disagg.sim import latency_study
 from disagg.sim.autoscaling import FixedWidths, PlannerScaler, Scaler, ServeAutoscaling, ServeDefault
 from disagg.sim.runner import compare, find_saturation, prepare_trace, simulate
@@ -249,8 +249,7 @@ def plot_planner(result: dict, path: Path) -> None:
     fig.suptitle(f"{result['trace']}: {result['requests']} requests, policy {result['policy']}, "
                  f"start-up {result['startup_s']:g} s, at most {result['max_topology']}", fontsize=10)
     fig.tight_layout()
-    with atomic_write(path, "wb", permissions=SHARED) as f:
-        fig.savefig(f, format="png", dpi=110)
+    write_figure(fig, path)
     plt.close(fig)
 
 

@@ -14,7 +14,8 @@ from disagg.core.types import SloClass
 from serve_app.app import _pool_options
 from serve_app.autoscale import PLANNED_WIDTH, planned_replicas
 from serve_app.config import PLANNER_POLICY, AppConfig, ConfigError, parse_args
-from serve_app.planning import WindowCounter, merge
+from disagg.core.planner import WindowCounter, merge_window
+from serve_app.planning import count_served
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,16 +83,16 @@ def test_the_window_counts_arrivals_and_attainment_and_merges_router_replicas():
     a.admitted(1000, SloClass.TIGHT)
     a.admitted(500, SloClass.LOOSE)
     b.admitted(300, SloClass.LOOSE)
-    a.served({"ttft_s": 0.05, "e2e_s": 0.05 + 0.005 * 9, "output_tokens": 10}, target)  # meets both
-    a.served({"ttft_s": 0.20, "e2e_s": 0.20 + 0.02 * 9, "output_tokens": 10}, target)  # misses both
-    b.served({"ttft_s": 0.05, "e2e_s": 0.05 + 0.02 * 19, "output_tokens": 20}, target)  # misses TPOT
-    b.served({"ttft_s": None, "e2e_s": None, "output_tokens": 0}, target)  # never started: not counted
-    w = merge([a.take(), b.take()], seconds=10.0, kv_pressure=0.4)
+    count_served(a, {"ttft_s": 0.05, "e2e_s": 0.05 + 0.005 * 9, "output_tokens": 10}, target)  # meets both
+    count_served(a, {"ttft_s": 0.20, "e2e_s": 0.20 + 0.02 * 9, "output_tokens": 10}, target)  # misses both
+    count_served(b, {"ttft_s": 0.05, "e2e_s": 0.05 + 0.02 * 19, "output_tokens": 20}, target)  # misses TPOT
+    count_served(b, {"ttft_s": None, "e2e_s": None, "output_tokens": 0}, target)  # never started: not counted
+    w = merge_window([a.take(), b.take()], seconds=10.0, kv_pressure=0.4)
     assert (w.arrivals, w.rate, w.tight_arrivals, w.finished) == (3, 0.3, 1, 3)
     assert w.mean_prompt_tokens == pytest.approx(600) and w.mean_output_tokens == pytest.approx(40 / 3)
     assert w.ttft_met == pytest.approx(2 / 3) and w.tpot_met == pytest.approx(1 / 3) and w.kv_pressure == 0.4
     assert a.take() == WindowCounter().take()  # taken counts start again from zero
-    idle = merge([], seconds=5.0, kv_pressure=0.0)
+    idle = merge_window([], seconds=5.0, kv_pressure=0.0)
     assert (idle.arrivals, idle.ttft_met, idle.tpot_met) == (0, 1.0, 1.0)
 
 
@@ -117,8 +118,8 @@ def test_the_router_plans_from_its_window_and_sends_the_planned_pool_its_width()
             target = r.served["tiny-qwen2"].cost_model.target(SloClass.LOOSE)
             r.dispatcher.window.admitted(300, SloClass.LOOSE)  # 5 req/s over the 0.2 s window: 1P1D by the model
             for _ in range(20):  # ... but every request finished met its TTFT and missed its TPOT target
-                r.dispatcher.window.served({"ttft_s": 0.01, "e2e_s": 0.01 + 99 * 2 * target.tpot_s,
-                                            "output_tokens": 100}, target)
+                count_served(r.dispatcher.window, {"ttft_s": 0.01, "e2e_s": 0.01 + 99 * 2 * target.tpot_s,
+                                                                   "output_tokens": 100}, target)
             for _ in range(50):  # bounded: 5 s
                 if decode.broadcasts:
                     break
