@@ -204,6 +204,7 @@ class Router:
             "min_decode": max(1, bounds["decode"][0]), "max_decode": bounds["decode"][1]})
         planner = Planner(m.cost_model, cfg)
         current: Widths | None = None
+        since = time.monotonic()
         while True:
             await asyncio.sleep(cfg.interval_s)
             try:
@@ -214,7 +215,8 @@ class Router:
                     r for r in await self._peers.broadcast("take_window").results_async(
                         timeout_s=ADMIN_TIMEOUT_S, return_exceptions=True) if isinstance(r, dict)]
                 kv = max((v.pressure_after(0) for v in self.registry.views(m, Role.DECODE)), default=0.0)
-                window = merge_window(counts, cfg.interval_s, kv)
+                now = time.monotonic()  # the window is as long as it was, taking the counts included
+                window, since = merge_window(counts, now - since, kv), now
                 planner.cm = m.cost_model  # it may have been reloaded (/admin/cost_model)
                 plan = planner.plan(window, current)
                 if plan.widths != current:  # one line per change (INFO is not shown on the fast path)

@@ -74,12 +74,13 @@ class PrefixIndex:
             raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
         self.block_tokens = block_tokens
         self._caches: dict[str, PrefixCache] = {}
+        # one bound lookup per instance, kept: the ledger reuses a view while its lookup `is` the same
+        self._lookups: dict[str, PrefixLookup] = {}
         self.outbox: list[Record] = []  # recorded here, not yet sent to the other router replicas
 
     def lookup(self, instance_id: str) -> PrefixLookup | None:
         """What a policy calls for this instance (`InstanceView.prefix_lookup`); None if nothing is known."""
-        cache = self._caches.get(instance_id)
-        return None if cache is None else cache.leading_hits
+        return self._lookups.get(instance_id)
 
     def record(self, instance_id: str, hashes: tuple[int, ...], kv_capacity_tokens: int, share: bool = True) -> None:
         """`instance_id` now holds the KV of these blocks (all of them: the hashes are of full blocks).
@@ -94,6 +95,7 @@ class PrefixIndex:
         capacity = max(0, kv_capacity_tokens // self.block_tokens)
         if cache is None:
             cache = self._caches[instance_id] = PrefixCache(capacity)
+            self._lookups[instance_id] = cache.leading_hits
         else:
             cache.capacity_blocks = capacity  # the engine may report a new size after a restart
         cache.touch(hashes, len(hashes))
@@ -106,10 +108,12 @@ class PrefixIndex:
     def forget(self, instance_id: str) -> None:
         """The instance left: its cache went with it."""
         self._caches.pop(instance_id, None)
+        self._lookups.pop(instance_id, None)
 
     def clear(self) -> None:
         """Every engine's prefix cache was reset."""
         self._caches.clear()
+        self._lookups.clear()
         self.outbox.clear()
 
     def blocks_held(self) -> dict[str, int]:

@@ -36,6 +36,7 @@ def test_index_records_forgets_and_bounds_by_capacity():
     assert idx.lookup("d0") is None  # nothing known: a policy treats the instance as cold
     idx.record("d0", hashes, kv_capacity_tokens=64 * 100)
     assert idx.lookup("d0")(hashes) == 5
+    assert idx.lookup("d0") is idx.lookup("d0")  # one lookup per instance: the ledger reuses unchanged views
     assert idx.lookup("d0")(prompt_block_hashes(list(range(64 * 3)) + [1] * 64, 64)) == 3
     idx.record("d1", hashes, kv_capacity_tokens=64 * 3)  # room for 3 blocks: the tail is evicted first
     assert idx.lookup("d1")(hashes) == 3
