@@ -26,7 +26,10 @@ What must hold
 * Every engine that takes part in transfers needs its own `side_channel_port` on its host.
 * The prefill engine pins a request's KV blocks until the decode engine has read them or the
   NIXL lease (`kv_lease_duration`, 30 s) expires: a prefill whose decode is never called costs
-  KV capacity for that long. `abort(rid)` on the prefill engine does not release them early.
+  KV capacity for that long, unless a decode engine is told to release them (`release_kv`).
+  `abort(rid)` of a prefill either stops it before its end (`prefill` raises `RequestAborted`:
+  nothing is held) or comes too late, and then `prefill` returns its result as usual: the
+  caller holds that KV and must release it.
 * A decode whose KV transfer fails is not silently recomputed: vLLM's default
   `kv_load_failure_policy="fail"` ends the stream with an error finish reason, and the failure is
   counted in `EngineState.kv_transfers_failed`. Falling back (e.g. to a colocated decode) is the
@@ -321,6 +324,8 @@ def _stat_logger_factory(recorder: _StatsRecorder) -> Callable[..., Any]:
 # --------------------------------------------------------------------------------------------
 
 ABORTED_IDS_KEPT = 1024
+LATE_OUTPUT_WAIT_S = 1.0  # bound on the output handler's draining an aborted prefill's last output
+_NOT_ABORTED = object()
 
 
 class RequestAborted(RuntimeError):
@@ -343,6 +348,7 @@ class VllmEngine:
         self._kv_capacity_tokens = 0
         self._block_size = 0
         self._aborted: dict[str, None] = {}  # ids aborted on request, oldest first (an ordered set)
+        self._prefilling: set[str] = set()  # prefills in vLLM now: aborting one must not lose its KV
         self.start_time_s: float | None = None  # how long start() took
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -449,18 +455,25 @@ class VllmEngine:
             raise ValueError(f"engine role {self.spec.role.value!r} does not serve prefill")
         params = _sampling_params(sampling, kv_transfer_params={"do_remote_decode": True},
                                   max_tokens=1, stream=False, keep_stop=False)
+        if self._was_aborted(request_id):  # the abort overtook the call on its way here
+            raise RequestAborted(f"prefill of {request_id!r} was aborted before it started")
         t0 = time.perf_counter()
         final = None
-        with _client_errors_as_invalid(sampling):
-            async for out in self._engine.generate(_engine_input(self._engine, prompt_token_ids),
-                                                   params, request_id):
-                final = out
+        self._prefilling.add(request_id)
+        try:
+            with _client_errors_as_invalid(sampling):
+                async for out in self._engine.generate(_engine_input(self._engine, prompt_token_ids),
+                                                       params, request_id):
+                    final = out
+        finally:
+            self._prefilling.discard(request_id)
         ttft = time.perf_counter() - t0
-        aborted = self._aborted.pop(request_id, None) is not None
+        aborted = self._was_aborted(request_id)
         if final is None or not final.outputs or not final.outputs[0].token_ids:
             if aborted:  # stopped on purpose: vLLM ends the stream without output
                 raise RequestAborted(f"prefill of {request_id!r} was aborted")
             raise RuntimeError(f"prefill of {request_id!r} produced no output")
+        # Finished, aborted or not: an abort that came too late leaves the KV to the caller.
         if not final.kv_transfer_params:
             raise RuntimeError(f"prefill of {request_id!r} ended "
                                f"({final.outputs[0].finish_reason}) without kv_transfer_params")
@@ -498,11 +511,39 @@ class VllmEngine:
             await gen.aclose()  # no-op when finished; aborts in vLLM when we stopped early
 
     async def abort(self, request_id: str) -> None:
-        """Abort an in-flight request; unknown or finished ids are ignored."""
+        """Abort an in-flight request; finished ids are ignored. An id not seen yet is remembered:
+        a prefill that arrives after its own abort is refused."""
         self._aborted[request_id] = None
         while len(self._aborted) > ABORTED_IDS_KEPT:  # ids of requests that had already ended
             self._aborted.pop(next(iter(self._aborted)))
-        await self._engine.abort(request_id)
+        if request_id in self._prefilling:
+            await self._abort_prefill(request_id)
+        else:
+            await self._engine.abort(request_id)
+
+    async def _abort_prefill(self, request_id: str) -> None:
+        """Abort a prefill without losing track of its KV.
+
+        `AsyncLLM.abort` forgets the request at once, on this side. If the EngineCore had just
+        finished the prefill, its output (where the KV is) is already on its way and is dropped,
+        while the EngineCore ignores the abort of a finished request: the blocks stay pinned for a
+        pull nobody will make, until the lease ends. So the EngineCore is asked first: it drops the
+        request if it is unfinished (no output follows), or ignores the abort and the output it
+        already sent still reaches `prefill`, which returns it. A round trip to the EngineCore
+        (answered after every output it sent before) and the output handler draining what came
+        with it mark the point after which no output can come; only then is the request
+        forgotten here (a no-op if its output came)."""
+        llm = self._engine
+        internal_ids = list(getattr(llm.output_processor, "external_req_ids", {}).get(request_id, ()))
+        if internal_ids:
+            await llm.engine_core.abort_requests_async(internal_ids)
+            await llm.is_sleeping()  # the round trip
+            await _outputs_drained(llm.engine_core, LATE_OUTPUT_WAIT_S)
+        await llm.abort(request_id)
+
+    def _was_aborted(self, request_id: str) -> bool:
+        """Whether `abort(request_id)` was called (and forget it)."""
+        return self._aborted.pop(request_id, _NOT_ABORTED) is not _NOT_ABORTED
 
     async def release_kv(self, request_id: str, kv_transfer_params: Mapping[str, Any]) -> None:
         """Free a remote prefill's KV that this engine will never pull (its request went away
@@ -580,6 +621,17 @@ class _Handover:
     def take(self) -> Any:
         llm, self._llm = self._llm, None
         return llm
+
+
+async def _outputs_drained(engine_core: Any, timeout_s: float) -> None:
+    """Return once AsyncLLM's output handler has taken every EngineCore output received so far
+    (and processed it: it yields to the loop only between batches), or after `timeout_s`."""
+    queue = getattr(engine_core, "outputs_queue", None)
+    deadline = time.monotonic() + timeout_s
+    while queue is not None and not queue.empty() and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0)  # the batch it took last: processed before it awaits again
+    await asyncio.sleep(0)
 
 
 def _engine_input(llm: AsyncLLM, prompt_token_ids: Sequence[int]) -> Any:

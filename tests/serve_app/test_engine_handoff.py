@@ -30,6 +30,7 @@ from serve_app.engine import (
     EngineSpec,
     EngineState,
     PrefillResult,
+    RequestAborted,
     VllmEngine,
     engine_env,
     nixl_reserved_cpus,
@@ -41,6 +42,8 @@ START_TIMEOUT_S = 180.0  # per engine; ~15-20 s normally, ~50 s when the 2 cores
 REQUEST_TIMEOUT_S = 60.0
 KV_BYTES = 64 << 20
 GREEDY = {"temperature": 0.0}
+DEPARTURES = 16  # aborts swept across a prefill
+STALLED = 5  # aborts certain to come after the prefill's end
 
 PROMPTS = [
     "The router estimates the latency of every request in the cluster.",
@@ -246,6 +249,71 @@ def test_state_is_sane_in_flight_and_when_idle(engines: Engines):
     # 64 MiB of bf16 KV for 2 layers x 2 KV heads x 32 dims: 512 B/token -> 131072 tokens.
     assert cap == KV_BYTES // 512
     assert 0 <= idle.prefix_cache_hits <= idle.prefix_cache_queries
+
+
+@pytest.mark.stack
+def test_an_abort_racing_a_prefills_end_never_strands_its_kv(engines: Engines):
+    """An abort either stops a prefill (nothing held) or comes too late, and then the prefill
+    returns where its KV is, for the caller to release. vLLM's own abort forgets a request at
+    once: a prefill its EngineCore had just finished loses its output, and the blocks stay pinned
+    for the 30 s lease. Made certain here by stalling this event loop while the EngineCore
+    finishes the prefill (its output waits unread); other aborts sweep the prefill's duration."""
+    words = PROMPTS[0].split()
+    prompts = [_ids(engines, " ".join(words[i % len(words):] + words) * 48) for i in range(DEPARTURES)]
+    sampling = {**GREEDY, "max_tokens": 8}
+
+    async def release(rid: str, result: PrefillResult) -> None:
+        await engines.D.release_kv(f"{rid}-rel", result.kv_transfer_params)
+
+    async def depart(rid: str, ids: list[int], after_s: float, stall_s: float = 0.0) -> str:
+        task = asyncio.get_running_loop().create_task(engines.P.prefill(rid, ids, sampling))
+        await asyncio.sleep(after_s)
+        time.sleep(stall_s)  # blocks the loop: outputs the EngineCore sends now wait unread
+        await engines.P.abort(rid)
+        try:
+            await release(rid, await task)
+            return "finished"  # the abort came too late: the caller owns the KV
+        except RequestAborted:
+            return "aborted"
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        await _handoff(engines.P, engines.D, "race-warm", prompts[0], sampling)  # D knows P (handshake)
+        t0 = time.perf_counter()
+        await release("race-time", await engines.P.prefill("race-time", prompts[1], sampling))
+        prefill_s = time.perf_counter() - t0
+        late = [await depart(f"race-late-{k}", ids, prefill_s / 4, stall_s=3 * prefill_s)
+                for k, ids in enumerate(prompts[:STALLED])]
+        swept = [await depart(f"race-{k}", ids, prefill_s * k / len(prompts))  # from its start to its end
+                 for k, ids in enumerate(prompts)]
+        return late, swept
+
+    late, swept = engines.run(scenario(), timeout=120)
+    assert late == ["finished"] * STALLED, f"aborts after the prefill's end lost its result: {late}"
+    assert "aborted" in swept, f"no abort stopped a prefill: {swept}"
+
+    async def settled_kv() -> int:  # a one-token prefill refreshes the gauge, then is released too
+        deadline = time.monotonic() + 5.0
+        while True:
+            probe = await engines.P.prefill(f"race-probe-{time.monotonic()}", prompts[0][:4], sampling)
+            used = (await engines.P.state()).kv_used_tokens
+            await release("race-probe", probe)
+            if used <= 128 or time.monotonic() > deadline:  # at most the probe's own block
+                return used
+            await asyncio.sleep(0.1)
+
+    assert engines.run(settled_kv()) <= 128, f"KV left on the prefill engine after {late + swept}"
+
+
+@pytest.mark.stack
+def test_a_prefill_arriving_after_its_own_abort_is_refused(engines: Engines):
+    """Calls to one replica are not ordered: an abort can overtake the prefill it cancels."""
+    ids = _ids(engines, PROMPTS[3])
+    engines.run(engines.P.abort("overtaken"))
+    with pytest.raises(RequestAborted):
+        engines.run(engines.P.prefill("overtaken", ids, GREEDY))
+    done = engines.run(engines.P.prefill("overtaken-next", ids, GREEDY))
+    engines.run(engines.D.release_kv("overtaken-next-rel", done.kv_transfer_params))  # held KV keeps P stepping
+    assert done.prompt_tokens == len(ids)
 
 
 @pytest.mark.stack
