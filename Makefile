@@ -32,8 +32,10 @@ install: $(STAMP)
 run: install
 	$(PY) -m serve_app.launch --config deployments/local.yaml
 
+# one Ray cluster per machine at a time: the two-node stack gets a pytest session of its own
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=1800 tests
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=1800 -m "not multinode" tests
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 -m multinode tests/multinode
 
 # everything but the real-stack tests (no Ray cluster, no engines)
 unit: install

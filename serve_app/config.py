@@ -134,13 +134,28 @@ class AutoscalingConfig(_Strict):
         } | ({"policy": {"policy_function": PLANNER_POLICY}} if self.policy == "planner" else {})
 
 
+BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
+
+
 class PoolConfig(_Strict):
     num_replicas: int = Field(default=1, ge=1, description="pool width (initial width with autoscaling)")
     autoscaling: AutoscalingConfig | None = None
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources each replica "
+                                        "needs, e.g. {decode_node: 1}: pins the pool to the nodes that offer them")
     max_ongoing_requests: int = Field(default=1024, gt=0, description="the engine queues; Serve should not")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for this pool's replicas")
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, amount in v.items():
+            if not name or name in BUILTIN_RESOURCES:
+                raise ValueError(f"{name!r} is not a custom resource (CPUs and GPUs have num_cpus and num_gpus)")
+            if amount <= 0:
+                raise ValueError(f"{name}: {amount} is not a positive amount")
+        return v
 
 
 def load_cost_model(source: str | dict) -> CostModel:

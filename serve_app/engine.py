@@ -532,7 +532,9 @@ class VllmEngine:
         already sent still reaches `prefill`, which returns it. A round trip to the EngineCore
         (answered after every output it sent before) and the output handler draining what came
         with it mark the point after which no output can come; only then is the request
-        forgotten here (a no-op if its output came)."""
+        forgotten here (a no-op if its output came). A vLLM without the external-to-internal id
+        map (vLLM 0.32's `OutputProcessor.external_req_ids`) gets the plain abort, and such a
+        prefill's blocks wait for their lease."""
         llm = self._engine
         internal_ids = list(getattr(llm.output_processor, "external_req_ids", {}).get(request_id, ()))
         if internal_ids:

@@ -29,6 +29,7 @@ import os
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -225,10 +226,9 @@ class EngineServer:
         self.streams = 0  # decode streams open on this replica
         host = cfg.engine.side_channel_host
         if host == "auto":
-            import ray
-
             host = ray.util.get_node_ip_address()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.node_id = ray.get_runtime_context().get_node_id()
         self.admitted = AdmittedWork()  # what each router has sent here and not seen end: routers read it
         self.planned_width: int | None = None  # this pool's width as the router's planner last set it
         self.port = claim_port(host, cfg.engine.side_channel_ports)
@@ -304,7 +304,7 @@ class EngineServer:
             prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
             kv_transfers_ok=s.kv_transfers_ok, kv_transfers_failed=s.kv_transfers_failed,
             kv_received_tokens=s.kv_received_tokens, admitted=self.admitted.totals(), pid=os.getpid(),
-            block_size=s.block_size)
+            block_size=s.block_size, node_id=self.node_id)
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()

@@ -105,6 +105,14 @@ def stack_engines_left() -> list[int]:
 RAY_ADDRESS = "127.0.0.1:6379"
 SERVE_RUN_TIMEOUT_S = 300.0  # `serve run --non-blocking` returns once the config is submitted
 METRICS_PORT = 8079  # Ray's Prometheus endpoint on this node: Serve's, the engines' and the router's series
+# `ray start --address` on loopback: Ray joins a node to a cluster only with multi-node clusters
+# enabled (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1), and then rewrites a loopback head address to this
+# machine's outward one, where the head does not listen. Ray's own CLI, with that rewrite off.
+_RAY_JOIN_ON_LOOPBACK = ("import sys, ray._private.services as s; s.resolve_ip_for_localhost = lambda host: host; "
+                         "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())")
+DASHBOARD_AGENT_PORT = 52365  # Ray's default for the head's agent; the nth local worker node's is n above
+LOCAL_RESOURCE_AMOUNT = 1000.0  # of each custom resource on its local node: room for any pool width
+WORKER_OBJECT_STORE_BYTES = 256 << 20  # a local worker node's object store (the head keeps Ray's default)
 _SERVE_SHUTDOWN = f"import ray; from ray import serve; ray.init(address={RAY_ADDRESS!r}); serve.shutdown()"
 
 
@@ -180,13 +188,22 @@ class LocalStack:
                 raise RuntimeError(f"vLLM engine processes of an earlier stack are still alive (pids {left}); "
                                    "they hold NIXL ports and memory: stop them first")
             self.log("starting Ray on 127.0.0.1 ...")
+            nodes = node_resources(self.apps)
+            self.started_ray = True  # from here on, `ray stop` at teardown (a node may start and then fail)
             subprocess.run([_bin("ray"), "start", "--head", f"--num-cpus={self.num_cpus}",
                             "--node-ip-address=127.0.0.1", "--include-dashboard=true",
                             "--dashboard-host=127.0.0.1", "--disable-usage-stats",
-                            f"--metrics-export-port={METRICS_PORT}"],
+                            f"--metrics-export-port={METRICS_PORT}", *_resources_arg(nodes[0])],
                            env={**_env(), STACK_ID_VAR: self.stack_id}, check=True, capture_output=True,
                            timeout=180)
-            self.started_ray = True
+            for n, resources in enumerate(nodes[1:], start=1):
+                self.log(f"starting a Ray worker node on 127.0.0.1 offering {sorted(resources)} ...")
+                subprocess.run([sys.executable, "-c", _RAY_JOIN_ON_LOOPBACK, "start", f"--address={RAY_ADDRESS}",
+                                f"--num-cpus={self.num_cpus}", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+                                f"--object-store-memory={WORKER_OBJECT_STORE_BYTES}",
+                                f"--dashboard-agent-listen-port={DASHBOARD_AGENT_PORT + n}", *_resources_arg(resources)],
+                               env={**_env(), STACK_ID_VAR: self.stack_id, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"},
+                               check=True, capture_output=True, timeout=180)
         self.log(f"deploying {self.config} ...")
         # `serve run` talks to the cluster (GCS), not to the dashboard's REST API
         self.deployed = True  # from here on, teardown owns the app and its engines
@@ -292,11 +309,12 @@ class LocalStack:
         """Within `timeout_s`: serve shutdown, the engines' own exit, then SIGTERM and SIGKILL for
         the ones left (orphans would hold NIXL ports and memory), then `ray stop`. Each step gets a
         share of the budget, so a cluster that vanished or hangs cannot hold the stop up."""
-        if not self.deployed:  # nothing of ours runs: never touch another cluster's apps
-            return
-        self.deployed = False
         deadline = time.monotonic() + timeout_s
         left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
+        if not self.deployed:  # nothing of ours runs: never touch another cluster's apps
+            self._ray_stop(left())  # ... but a cluster we started and failed to finish starting goes
+            return
+        self.deployed = False
         if ray_running():
             try:
                 subprocess.run([sys.executable, "-c", _SERVE_SHUTDOWN], env=_env(), capture_output=True,
@@ -323,12 +341,32 @@ class LocalStack:
             until = time.monotonic() + wait_s
             while engine_processes(self.stack_id) and time.monotonic() < until:
                 time.sleep(0.2)
+        self._ray_stop(left())
+
+    def _ray_stop(self, timeout_s: float) -> None:
+        """`ray stop` (every node of this machine) if this stack started Ray."""
         if self.started_ray:
             try:
-                subprocess.run([_bin("ray"), "stop", "--force"], env=_env(), capture_output=True, timeout=left())
+                subprocess.run([_bin("ray"), "stop", "--force"], env=_env(), capture_output=True, timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 self.log("ray stop timed out")
             self.started_ray = False
+
+
+def node_resources(apps) -> list[dict[str, float]]:
+    """The Ray nodes a local stack starts: the head, plus one worker node for each further custom
+    resource the config's pools ask for (the first one is the head's), each offering plenty of it.
+    So a config that pins its prefill and decode pools to two resources runs on two nodes of this
+    machine, and its KV handoffs cross between them as they would between machines."""
+    names = list(dict.fromkeys(name for _, cfg in apps
+                               for pool in (cfg.prefill, cfg.decode, cfg.colocated) if pool is not None
+                               for name in pool.resources))
+    nodes = [{name: LOCAL_RESOURCE_AMOUNT} for name in names]
+    return nodes or [{}]
+
+
+def _resources_arg(resources: dict[str, float]) -> list[str]:
+    return [f"--resources={json.dumps(resources)}"] if resources else []
 
 
 def _interrupt(*_) -> None:

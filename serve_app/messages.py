@@ -108,6 +108,7 @@ class EngineStateReport:
     admitted: dict[str, tuple[float, int]] = field(default_factory=dict)  # router → (work s, calls) it is serving
     pid: int = 0  # the replica's process (its vLLM engine processes are its children)
     block_size: int = 0  # tokens per KV block (the router's prefix index hashes in multiples of it)
+    node_id: str = ""  # the Ray node the replica runs on (its KV crosses nodes when the pair's differ)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe (the role as its value), for `/admin/state`."""

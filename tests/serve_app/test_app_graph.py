@@ -47,7 +47,8 @@ def test_cpu_profile_graph_fits_two_cores():
     assert all(d.ray_actor_options.get("num_gpus", 0) == 0 for d in (prefill, decode))
 
 
-@pytest.mark.parametrize("file", ["disagg.yaml", "local.yaml", "local-2p2d.yaml", "local-autoscale.yaml"])
+@pytest.mark.parametrize("file", ["disagg.yaml", "local.yaml", "local-2p2d.yaml", "local-autoscale.yaml",
+                                  "local-2node.yaml"])
 def test_shipped_configs_validate(file):
     (name, cfg), = load_serve_config(ROOT / "deployments" / file)
     assert cfg.router.policy == "marginal_cost"
@@ -66,6 +67,8 @@ def test_shipped_configs_validate(file):
     (lambda a: a["engine"].update(side_channel_ports=[80, 90]), "side_channel_ports"),
     (lambda a: a["engine"].update(warmup_timeout_s=0), "warmup_timeout_s"),
     (lambda a: a["router"].update(num_replicas=0), "num_replicas"),
+    (lambda a: a["decode"].update(resources={"GPU": 1}), "resources"),
+    (lambda a: a["decode"].update(resources={"decode_node": 0}), "resources"),
 ])
 def test_bad_configs_are_refused_naming_the_field(mutate, field):
     args = _args("local.yaml")
@@ -94,6 +97,20 @@ def test_a_cost_model_calibrated_for_another_model_is_refused(tmp_path):
     args["router"]["cost_model"] = str(tmp_path / "cm.yaml")
     with pytest.raises(ConfigError, match="calibrated for model 'Qwen/Qwen2.5-3B-Instruct'.*'tiny:tiny'"):
         build_app(args)
+
+
+def test_pools_pinned_by_custom_resources_start_one_local_node_each():
+    """local-2node.yaml: each pool asks for its own resource, and the local launcher starts one
+    node offering each (the head the first), so the prefill and decode engines run on two nodes."""
+    from serve_app.launch import node_resources
+
+    router, prefill, decode = _graph(_args("local-2node.yaml"))
+    assert prefill.ray_actor_options["resources"] == {"prefill_node": 1}
+    assert decode.ray_actor_options["resources"] == {"decode_node": 1}
+    assert "resources" not in router.ray_actor_options
+    nodes = node_resources(load_serve_config(ROOT / "deployments" / "local-2node.yaml"))
+    assert [sorted(n) for n in nodes] == [["prefill_node"], ["decode_node"]]
+    assert node_resources(load_serve_config(ROOT / "deployments" / "local.yaml")) == [{}]  # one node
 
 
 def test_decode_replicas_get_the_prefill_pool_for_their_warm_up_handoff():
