@@ -584,6 +584,6 @@ class Dispatcher:
         if f.model is not None:
             target = f.model.cost_model.target(f.slo)
             if error is None:
-                count_served(self.window, record, target)
+                count_served(self.window, record, target, f.model.cost_model.engine)
             if self.metrics is not None:
                 self.metrics.request_finished(record, f.model.name, target.ttft_s, target.tpot_s)

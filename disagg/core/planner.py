@@ -20,7 +20,10 @@ TTFT and ITL), for the strictest SLO class present in the window:
 
 **Then feedback**, for what the model does not see (contention, bursts within the window): TTFT
 attainment under `attainment_goal` adds a prefill instance, TPOT attainment under it or KV pressure
-over `kv_limit` a decode instance, on top of the current width.
+over `kv_limit` a decode instance, on top of the current width. TTFT attainment counts only the
+misses a width could fix: a request whose prompt's prefill alone, on an idle instance and with no
+transfer (`ttft_floor_s`), exceeds its target misses at any width, and adding instances for it
+only costs.
 
 **Up fast, down slowly**: a pool grows to its target at once; it shrinks one instance at a time,
 and only after the target has been below the current width `down_after` windows in a row (a new
@@ -35,7 +38,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from disagg.core.cost_model import CostModel, SloTarget
+from disagg.core.cost_model import CostModel, EngineConstants, SloTarget
 from disagg.core.types import SloClass
 
 
@@ -74,11 +77,24 @@ class Window:
     finished: int = 0  # requests that finished in the window (attainment is over them)
     ttft_met: float = 1.0  # share of the finished meeting their TTFT target (1.0 when none finished)
     tpot_met: float = 1.0
+    ttft_unfixable: int = 0  # of the finished, TTFT misses no width could fix (`ttft_floor_s`)
     kv_pressure: float = 0.0  # the highest KV pressure of a decode instance
 
     @property
     def rate(self) -> float:
         return self.arrivals / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def ttft_met_fixable(self) -> float:
+        """The share meeting their TTFT target among the finished that a width could have helped."""
+        fixable = self.finished - self.ttft_unfixable
+        return min(1.0, self.ttft_met * self.finished / fixable) if fixable > 0 else 1.0
+
+
+def ttft_floor_s(engine: EngineConstants, prompt_tokens: int) -> float:
+    """The earliest first token a prompt can have: its prefill alone, on an idle instance, with no
+    transfer (prefilled where it decodes) and no cached prefix (a width creates none)."""
+    return engine.prefill_s(max(1, prompt_tokens))
 
 
 @dataclass(slots=True)
@@ -93,18 +109,21 @@ class WindowCounter:
     output_tokens: int = 0
     ttft_met: int = 0
     tpot_met: int = 0
+    ttft_unfixable: int = 0
 
     def admitted(self, prompt_tokens: int, slo: SloClass) -> None:
         self.arrivals += 1
         self.prompt_tokens += prompt_tokens
         self.tight += slo is SloClass.TIGHT
 
-    def served(self, output_tokens: int, ttft_s: float, tpot_s: float | None, target: SloTarget) -> None:
+    def served(self, output_tokens: int, ttft_s: float, tpot_s: float | None, target: SloTarget,
+               ttft_floor_s: float = 0.0) -> None:
         """A request finished with its first token after `ttft_s` and then `tpot_s` per token (None:
-        fewer than two tokens, no TPOT to miss)."""
+        fewer than two tokens, no TPOT to miss); `ttft_floor_s`: its `ttft_floor_s`."""
         self.finished += 1
         self.output_tokens += output_tokens
         self.ttft_met += ttft_s <= target.ttft_s
+        self.ttft_unfixable += ttft_s > target.ttft_s and ttft_floor_s > target.ttft_s
         self.tpot_met += tpot_s is None or tpot_s <= target.tpot_s
 
     def take(self) -> dict[str, int]:
@@ -125,6 +144,7 @@ def merge_window(counts: list[dict[str, int]], seconds: float, kv_pressure: floa
                   tight_arrivals=total["tight"], finished=done,
                   ttft_met=total["ttft_met"] / done if done else 1.0,
                   tpot_met=total["tpot_met"] / done if done else 1.0,
+                  ttft_unfixable=total["ttft_unfixable"],
                   kv_pressure=kv_pressure)
 
 
@@ -189,9 +209,10 @@ class Planner:
         reasons = [f"load {w.rate:.2f} req/s, prompt {w.mean_prompt_tokens:.0f}, output {w.mean_output_tokens:.0f}: "
                    f"model {model.prefill}P{model.decode}D"]
         want = {"prefill": model.prefill, "decode": model.decode}
-        if w.finished and w.ttft_met < c.attainment_goal:
+        if w.finished and w.ttft_met_fixable < c.attainment_goal:
             want["prefill"] = max(want["prefill"], current.prefill + 1)
-            reasons.append(f"TTFT attainment {w.ttft_met:.2f} < {c.attainment_goal}: +1 prefill")
+            unfixable = f" ({w.ttft_unfixable} misses no width fixes left out)" if w.ttft_unfixable else ""
+            reasons.append(f"TTFT attainment {w.ttft_met_fixable:.2f}{unfixable} < {c.attainment_goal}: +1 prefill")
         if w.finished and w.tpot_met < c.attainment_goal:
             want["decode"] = max(want["decode"], current.decode + 1)
             reasons.append(f"TPOT attainment {w.tpot_met:.2f} < {c.attainment_goal}: +1 decode")

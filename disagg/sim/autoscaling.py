@@ -53,8 +53,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from disagg.core.cost_model import SloTarget
-from disagg.core.planner import Plan, Planner, Widths, Window, WindowCounter, merge_window
+from disagg.core.cost_model import EngineConstants, SloTarget
+from disagg.core.planner import Plan, Planner, Widths, Window, WindowCounter, merge_window, ttft_floor_s
 from disagg.core.types import Role, SloClass
 from disagg.sim.metrics import RequestRecord
 
@@ -280,9 +280,10 @@ class Signals:
     def arrived(self, prompt_tokens: int, slo: SloClass) -> None:
         self.window.admitted(prompt_tokens, slo)
 
-    def served(self, record: RequestRecord, target: SloTarget) -> None:
-        """A request finished; `target` is its SLO class's."""
-        self.window.served(record.output_tokens, record.ttft_s, record.tpot_s, target)
+    def served(self, record: RequestRecord, target: SloTarget, engine: EngineConstants) -> None:
+        """A request finished; `target` is its SLO class's, `engine` the constants it ran with."""
+        self.window.served(record.output_tokens, record.ttft_s, record.tpot_s, target,
+                           ttft_floor_s(engine, record.prompt_tokens))
 
     def take_window(self, seconds: float, kv_pressure: float) -> Window:
         """The window since the last call, and start a new one."""

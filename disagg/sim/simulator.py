@@ -437,7 +437,7 @@ class Simulator:
                     records.append(rec)
                     if fleet is not None:
                         signals.ongoing(Role.DECODE, -1, now)
-                        signals.served(rec, self.cm.target(f.slo))
+                        signals.served(rec, self.cm.target(f.slo), self.cm.engine)
                         fleet.done(f.decode_id, now)
                     if progress:
                         progress(1)

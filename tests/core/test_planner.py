@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from disagg.core.cost_model import load_profile
-from disagg.core.planner import Planner, PlannerConfig, Widths, Window
+from disagg.core.planner import Planner, PlannerConfig, Widths, Window, WindowCounter, merge_window, ttft_floor_s
 from disagg.core.types import SloClass
 
 CM = load_profile("a40")
@@ -72,6 +72,32 @@ def test_missed_targets_add_an_instance_to_the_pool_they_blame(signal, grows):
     other = "decode" if grows == "prefill" else "prefill"
     assert getattr(plan.widths, other) == 2
     assert any(f"+1 {grows}" in r for r in plan.reasons)
+
+
+def test_ttft_misses_no_width_can_fix_add_no_prefill_instance():
+    """Half the finished missed their TTFT target, but every miss was a prompt whose prefill
+    alone, on an idle instance, takes longer than the target: another instance cannot help."""
+    p = Planner(CM, WIDE)
+    hopeless = window(1, finished=10, ttft_met=0.5, ttft_unfixable=5)
+    assert hopeless.ttft_met_fixable == 1.0
+    assert p.plan(hopeless, Widths(2, 2)).widths == Widths(2, 2)
+    # one fixable miss among them still counts (4 of 5 fixable met: 0.8 < the goal)
+    some = window(1, finished=10, ttft_met=0.4, ttft_unfixable=5)
+    assert some.ttft_met_fixable == pytest.approx(0.8)
+    plan = p.plan(some, Widths(2, 2))
+    assert plan.widths.prefill == 3 and any("5 misses no width fixes left out" in r for r in plan.reasons)
+
+
+def test_the_ttft_floor_is_a_lone_prefill_and_the_counter_uses_it():
+    target = CM.target(SloClass.TIGHT)
+    assert ttft_floor_s(CM.engine, 1000) == CM.engine.prefill_s(1000)
+    long = next(n for n in range(64, 1 << 20, 64) if ttft_floor_s(CM.engine, n) > target.ttft_s)
+    c = WindowCounter()
+    c.served(10, 2 * target.ttft_s, None, target, ttft_floor_s(CM.engine, long))  # unfixable miss
+    c.served(10, 2 * target.ttft_s, None, target, ttft_floor_s(CM.engine, 100))  # a fixable miss
+    c.served(10, target.ttft_s / 2, None, target, ttft_floor_s(CM.engine, long))  # met: not a miss at all
+    w = merge_window([c.take()], 10.0, 0.0)
+    assert (w.finished, w.ttft_unfixable) == (3, 1) and w.ttft_met_fixable == pytest.approx(1 / 2)
 
 
 def test_pools_grow_at_once_and_shrink_one_at_a_time_after_a_streak():

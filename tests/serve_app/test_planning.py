@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from disagg.core.cost_model import SloTarget
+from disagg.core.cost_model import SloTarget, load_profile
 from disagg.core.types import SloClass
 from serve_app.app import _pool_options
 from serve_app.autoscale import PLANNED_WIDTH, planned_replicas
@@ -83,14 +83,20 @@ def test_the_window_counts_arrivals_and_attainment_and_merges_router_replicas():
     a.admitted(1000, SloClass.TIGHT)
     a.admitted(500, SloClass.LOOSE)
     b.admitted(300, SloClass.LOOSE)
-    count_served(a, {"ttft_s": 0.05, "e2e_s": 0.05 + 0.005 * 9, "output_tokens": 10}, target)  # meets both
-    count_served(a, {"ttft_s": 0.20, "e2e_s": 0.20 + 0.02 * 9, "output_tokens": 10}, target)  # misses both
-    count_served(b, {"ttft_s": 0.05, "e2e_s": 0.05 + 0.02 * 19, "output_tokens": 20}, target)  # misses TPOT
-    count_served(b, {"ttft_s": None, "e2e_s": None, "output_tokens": 0}, target)  # never started: not counted
+    engine = load_profile("a40").engine
+    count_served(a, {"ttft_s": 0.05, "e2e_s": 0.05 + 0.005 * 9, "output_tokens": 10}, target, engine)  # meets both
+    count_served(a, {"ttft_s": 0.20, "e2e_s": 0.20 + 0.02 * 9, "output_tokens": 10,
+                     "prompt_tokens": 100}, target, engine)  # misses both
+    count_served(b, {"ttft_s": 0.05, "e2e_s": 0.05 + 0.02 * 19, "output_tokens": 20}, target, engine)  # misses TPOT
+    count_served(b, {"ttft_s": None, "e2e_s": None, "output_tokens": 0}, target, engine)  # never started: not counted
+    long = 1 + next(n for n in range(1, 1 << 20, 64) if engine.prefill_s(n) > target.ttft_s)
+    count_served(b, {"ttft_s": 0.30, "e2e_s": 0.31, "output_tokens": 1,  # a miss no width fixes
+                     "prompt_tokens": long}, target, engine)
     w = merge_window([a.take(), b.take()], seconds=10.0, kv_pressure=0.4)
-    assert (w.arrivals, w.rate, w.tight_arrivals, w.finished) == (3, 0.3, 1, 3)
-    assert w.mean_prompt_tokens == pytest.approx(600) and w.mean_output_tokens == pytest.approx(40 / 3)
-    assert w.ttft_met == pytest.approx(2 / 3) and w.tpot_met == pytest.approx(1 / 3) and w.kv_pressure == 0.4
+    assert (w.arrivals, w.rate, w.tight_arrivals, w.finished) == (3, 0.3, 1, 4)
+    assert w.mean_prompt_tokens == pytest.approx(600) and w.mean_output_tokens == pytest.approx(41 / 4)
+    assert w.ttft_met == pytest.approx(2 / 4) and w.tpot_met == pytest.approx(2 / 4) and w.kv_pressure == 0.4
+    assert w.ttft_unfixable == 1 and w.ttft_met_fixable == pytest.approx(2 / 3)
     assert a.take() == WindowCounter().take()  # taken counts start again from zero
     idle = merge_window([], seconds=5.0, kv_pressure=0.0)
     assert (idle.arrivals, idle.ttft_met, idle.tpot_met) == (0, 1.0, 1.0)
@@ -119,7 +125,8 @@ def test_the_router_plans_from_its_window_and_sends_the_planned_pool_its_width()
             r.dispatcher.window.admitted(300, SloClass.LOOSE)  # 5 req/s over the 0.2 s window: 1P1D by the model
             for _ in range(20):  # ... but every request finished met its TTFT and missed its TPOT target
                 count_served(r.dispatcher.window, {"ttft_s": 0.01, "e2e_s": 0.01 + 99 * 2 * target.tpot_s,
-                                                                   "output_tokens": 100}, target)
+                                                                   "output_tokens": 100}, target,
+                             r.served["tiny-qwen2"].cost_model.engine)
             for _ in range(50):  # bounded: 5 s
                 if decode.broadcasts:
                     break
