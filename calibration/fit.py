@@ -245,14 +245,12 @@ def fit_cost_model(m: Measurements, name: str, serving_overhead_s: float = 0.0) 
     return cm, FitReport(prefill, decode, transfer)
 
 
-def serving_overhead(cm: CostModel, prompt_tokens: int, client_ttfts: list[float]) -> float:
-    """The unloaded time outside the engines: the median client TTFT through the app minus what
-    the engines take for the same request (prefill, KV transfer, the decode engine's first step)."""
-    if not client_ttfts:
+def serving_overhead(outside_engines_s: list[float]) -> float:
+    """The unloaded time outside the engines: the median over lone requests through the app of
+    the client's TTFT minus the engines' own time for that request (`measure.serving_path_gaps`)."""
+    if not outside_engines_s:
         raise CalibrationError("no requests through the app were measured")
-    engines = (cm.engine.prefill_s(prompt_tokens) + cm.transfer.transfer_s(prompt_tokens)
-               + cm.engine.decode_token_s(1))
-    return max(float(np.median(client_ttfts)) - engines, 0.0)
+    return max(float(np.median(outside_engines_s)), 0.0)
 
 
 def held_out_error(cm: CostModel, prefill: list[Sample], decode: list[Sample]) -> dict:

@@ -188,15 +188,19 @@ class Calibrator:
         return statistics.median(gaps)
 
 
-async def app_ttfts(url: str, prompt_tokens: int, n: int, seed: int = 0, timeout_s: float = 60.0) -> list[float]:
-    """Client TTFT of `n` lone streaming requests through a running app (one at a time, random
-    token ids so no prefix-cache hits, one unmeasured first): what the serving path adds to the
-    engines' own time, unloaded. Sent and timed by the bench's client, as every live figure is."""
+async def serving_path_gaps(url: str, prompt_tokens: int, n: int, seed: int = 0,
+                            timeout_s: float = 60.0) -> list[tuple[float, float]]:
+    """(client TTFT, the part of it outside the engines) of `n` lone streaming requests through a
+    running app: one at a time, random token ids so no prefix-cache hits, one unmeasured first.
+    The engines' own part is what they report in the `x-disagg-route` header (the prefill's time
+    and the decode engine's time to its first token), so the gap is measured, not modelled: the
+    HTTP proxy, the router and the Serve hops. Sent and timed by the bench's client, as every live
+    figure is."""
     import httpx
 
     from disagg.bench.loadgen import PlannedRequest, make_client, prompt_seed, send_one
 
-    out: list[float] = []
+    out: list[tuple[float, float]] = []
     async with make_client(url, timeout_s=timeout_s, max_connections=1) as client:
         try:
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -208,6 +212,11 @@ async def app_ttfts(url: str, prompt_tokens: int, n: int, seed: int = 0, timeout
             r = await send_one(client, model, req, timeout_s=timeout_s)
             if r.error or r.ttft_s is None:
                 raise RuntimeError(f"{url}/v1/completions: {r.error or 'a streamed completion carried no token'}")
+            try:
+                engines = float(r.route.get("prefill_engine_s", 0.0)) + float(r.route["decode_engine_first_s"])
+            except (KeyError, ValueError):
+                raise RuntimeError(f"{url}: the x-disagg-route header carries no engine times "
+                                   f"({r.route or 'no header'}): not this product's router, or an older one") from None
             if i:  # the first one wakes an idle path up
-                out.append(r.ttft_s)
+                out.append((r.ttft_s, r.ttft_s - engines))
     return out

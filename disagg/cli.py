@@ -275,7 +275,7 @@ def cmd_calibrate(args) -> int:
     import statistics
 
     from calibration.fit import CalibrationError, fit_cost_model, held_out_error, serving_overhead
-    from calibration.measure import SERVING_PROBE_TOKENS, Calibrator, Plan, app_ttfts
+    from calibration.measure import SERVING_PROBE_TOKENS, Calibrator, Plan, serving_path_gaps
     from serve_app.config import ConfigError, load_serve_config
 
     try:
@@ -307,9 +307,10 @@ def cmd_calibrate(args) -> int:
         cm, report = fit_cost_model(result.measurements, name=name)
         held = held_out_error(cm, result.held_out_prefill, result.held_out_decode)
         if args.url:
-            ttfts = asyncio.run(app_ttfts(args.url.rstrip("/"), SERVING_PROBE_TOKENS, args.url_requests,
-                                          seed=args.seed))
-            overhead = serving_overhead(cm, SERVING_PROBE_TOKENS, ttfts)
+            gaps = asyncio.run(serving_path_gaps(args.url.rstrip("/"), SERVING_PROBE_TOKENS, args.url_requests,
+                                                 seed=args.seed))
+            ttfts = [t for t, _ in gaps]
+            overhead = serving_overhead([g for _, g in gaps])
             cm, report = fit_cost_model(result.measurements, name=name, serving_overhead_s=overhead)
             print(f"serving path ({args.url}): median client TTFT {statistics.median(ttfts) * 1e3:.1f} ms over "
                   f"{len(ttfts)} lone {SERVING_PROBE_TOKENS}-token requests, of which outside the engines "

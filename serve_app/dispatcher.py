@@ -115,7 +115,11 @@ class Flight:
         if self.choice is not None:
             h = f"{self.choice.header_value()}; {h}"
         actual = f"; served_prefill={self.actual_prefill}; served_decode={self.actual_decode}"
-        return h + actual + (f"; fallback={self.fallback}" if self.fallback else "")
+        # the engines' own share of the TTFT: what the client measures beyond it is the serving path
+        engines = "".join(f"; {k}={v:.4f}" for k, v in (("prefill_engine_s", self.prefill_engine_s),
+                                                          ("decode_engine_first_s", self.decode_engine_first_s))
+                          if v is not None)
+        return h + actual + engines + (f"; fallback={self.fallback}" if self.fallback else "")
 
 
 def _last_line(e: BaseException | None) -> str:

@@ -33,11 +33,13 @@ class StubServer:
     and streaming /v1/completions whose first token comes `first_token_s` after the request is
     read and each further token `token_gap_s` later. `extra_tokens` makes it return the wrong
     number of tokens (the token-count gate must catch it). Decode instances are taken in turn,
-    like round robin, and named in an `x-disagg-route` header."""
+    like round robin, and named in an `x-disagg-route` header, with `engine_s` (prefill, decode
+    first token) as the engines' own times when given."""
 
     def __init__(self, *, first_token_s: float = 0.0, token_gap_s: float = 0.0, extra_tokens: int = 0,
                  prefill=("prefill-a",), decode=("decode-a", "decode-b"), max_model_len: int = 2048,
-                 model: str = "stub-model") -> None:
+                 model: str = "stub-model", engine_s: tuple[float, float] | None = None) -> None:
+        self.engine_s = engine_s
         self.first_token_s, self.token_gap_s, self.extra_tokens = first_token_s, token_gap_s, extra_tokens
         self.prefill, self.decode, self.max_model_len, self.model = list(prefill), list(decode), max_model_len, model
         self.policy = "round_robin"
@@ -150,6 +152,8 @@ class StubServer:
         self._n += 1
         p, d = self.prefill[n % len(self.prefill)], self.decode[n % len(self.decode)]
         route = f"prefill={p}; decode={d}; policy={self.policy}; served_prefill={p}; served_decode={d}"
+        if self.engine_s:
+            route += f"; prefill_engine_s={self.engine_s[0]}; decode_engine_first_s={self.engine_s[1]}"
         writer.write(("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
                       f"x-disagg-route: {route}\r\n\r\n").encode())
         await writer.drain()

@@ -78,6 +78,8 @@ def test_completion_with_usage_and_route_header(client):
     assert rt["prefill"] in instances and instances[rt["prefill"]]["role"] == "prefill"
     assert rt["decode"] in instances and instances[rt["decode"]]["role"] == "decode"
     assert float(rt["d_work"]) > 0 and float(rt["p_work"]) > 0  # priced, per term
+    # the engines' own times, which calibration subtracts from the client's TTFT
+    assert 0 < float(rt["prefill_engine_s"]) < 5 and 0 < float(rt["decode_engine_first_s"]) < 5
 
 
 def test_the_handoff_goes_over_nixl(client):
