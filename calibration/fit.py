@@ -191,34 +191,28 @@ class FitReport:
         return {"prefill": self.prefill.as_dict(), "decode": self.decode.as_dict(), "transfer": self.transfer.as_dict()}
 
 
-def fit_cost_model(m: Measurements, name: str, serving_overhead_s: float = 0.0) -> tuple[CostModel, FitReport]:
-    decode = fit_linear(m.decode, "decode step time vs concurrency")
-    transfer = fit_linear(m.transfer, "KV transfer time vs tokens")
+def fit_engine(prefill_samples: list[Sample], decode_samples: list[Sample], kv_capacity_tokens: int,
+               block_size: int, max_num_seqs: int, max_batched_tokens: int,
+               measured_at: str | None = None) -> tuple[EngineConstants, PrefillFit, LinearFit]:
+    """One engine's step model from its lone prefills and its decode steps; refuses a fit that
+    cannot describe hardware (see the module docstring)."""
+    decode = fit_linear(decode_samples, "decode step time vs concurrency")
     step_base = max(decode.intercept, 1e-6)
-    prefill = fit_prefill(m.prefill, step_base, m.max_batched_tokens)
+    prefill = fit_prefill(prefill_samples, step_base, max_batched_tokens)
     if prefill.slope <= 0 and prefill.attention <= 0:
-        short, long = min(m.prefill, key=lambda s: s.x), max(m.prefill, key=lambda s: s.x)
+        short, long = min(prefill_samples, key=lambda s: s.x), max(prefill_samples, key=lambda s: s.x)
         raise CalibrationError(f"prefill latency does not grow with the prompt ({short.seconds:.3g} s at {short.x:g} "
                                f"tokens, {long.seconds:.3g} s at {long.x:g}: no slope ≥ 0 fits): the prompts were "
                                "too short to measure, or cached")
     # Tolerate measurement noise in a flat curve, refuse a clearly falling one.
-    spread = max(s.x for s in m.decode) - min(s.x for s in m.decode)
+    spread = max(s.x for s in decode_samples) - min(s.x for s in decode_samples)
     significant = decode.slope + 3 * decode.slope_stderr < 0
     material = decode.slope * spread < -0.1 * max(decode.intercept, 1e-9)
     if significant and material:
         raise CalibrationError(f"decode step time falls with concurrency (slope {decode.slope:.3g} "
                                f"± {decode.slope_stderr:.2g} s per sequence over {decode.n} samples)")
-    if transfer.slope + 3 * transfer.slope_stderr < 0 or (transfer.slope <= 0 and transfer.slope_stderr == 0):
-        raise CalibrationError(f"KV transfer time does not grow with tokens (slope {transfer.slope:.3g} "
-                               f"± {transfer.slope_stderr:.2g} s/token over {transfer.n} samples)")
-    xfer_slope, xfer_latency = transfer.slope, transfer.intercept
-    if transfer.slope - 3 * transfer.slope_stderr <= 0:
-        # Flat within noise (a small model's KV is a few hundred bytes a token): price it at the
-        # slowest bandwidth the measurements allow, and the latency that leaves on average.
-        xfer_slope = 3 * transfer.slope_stderr  # > 0 here: a noiseless slope ≤ 0 was refused above
-        xfer_latency = float(np.mean([s.seconds - xfer_slope * s.x for s in m.transfer]))
-    if m.kv_capacity_tokens <= 0:
-        raise CalibrationError(f"engine KV capacity must be positive, got {m.kv_capacity_tokens}")
+    if kv_capacity_tokens <= 0:
+        raise CalibrationError(f"engine KV capacity must be positive, got {kv_capacity_tokens}")
     engine = EngineConstants(
         step_base_s=step_base,
         # a prefill time all attention (never seen: the MLPs are linear work) would leave τ_pre at
@@ -228,21 +222,97 @@ def fit_cost_model(m: Measurements, name: str, serving_overhead_s: float = 0.0) 
         # what a lone prefill costs beyond one step (≥ 0 by the fit)
         prefill_overhead_s=min(max(prefill.intercept - step_base, 0.0), 1.0),
         decode_seq_s=max(decode.slope, 0.0),
-        kv_capacity_tokens=m.kv_capacity_tokens,
-        block_size=m.block_size,
-        max_num_seqs=m.max_num_seqs,
-        max_batched_tokens=m.max_batched_tokens,
+        kv_capacity_tokens=kv_capacity_tokens,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_batched_tokens=max_batched_tokens,
+        measured_at=measured_at,
     )
-    xfer = TransferConstants(latency_s=max(xfer_latency, 0.0), tokens_per_s=1.0 / xfer_slope)
-    biggest = max(s.x for s in m.decode)
+    return engine, prefill, decode
+
+
+def fit_transfer(samples: list[Sample]) -> tuple[TransferConstants, LinearFit]:
+    transfer = fit_linear(samples, "KV transfer time vs tokens")
+    if transfer.slope + 3 * transfer.slope_stderr < 0 or (transfer.slope <= 0 and transfer.slope_stderr == 0):
+        raise CalibrationError(f"KV transfer time does not grow with tokens (slope {transfer.slope:.3g} "
+                               f"± {transfer.slope_stderr:.2g} s/token over {transfer.n} samples)")
+    xfer_slope, xfer_latency = transfer.slope, transfer.intercept
+    if transfer.slope - 3 * transfer.slope_stderr <= 0:
+        # Flat within noise (a small model's KV is a few hundred bytes a token): price it at the
+        # slowest bandwidth the measurements allow, and the latency that leaves on average.
+        xfer_slope = 3 * transfer.slope_stderr  # > 0 here: a noiseless slope ≤ 0 was refused above
+        xfer_latency = float(np.mean([s.seconds - xfer_slope * s.x for s in samples]))
+    return TransferConstants(latency_s=max(xfer_latency, 0.0), tokens_per_s=1.0 / xfer_slope), transfer
+
+
+def slo_targets(engine: EngineConstants, xfer: TransferConstants, biggest_concurrency: int,
+                serving_overhead_s: float) -> dict[SloClass, SloTarget]:
+    """The documented rule (module docstring)."""
     ttft = SLO_HEADROOM * (engine.prefill_s(REFERENCE_PROMPT) + xfer.transfer_s(REFERENCE_PROMPT)
                            + engine.decode_token_s(1) + serving_overhead_s)
-    tpot = SLO_HEADROOM * engine.decode_token_s(int(biggest))
-    slo = {SloClass.TIGHT: SloTarget(ttft_s=ttft, tpot_s=tpot),
-           SloClass.LOOSE: SloTarget(ttft_s=LOOSE_FACTOR * ttft, tpot_s=LOOSE_FACTOR * tpot)}
+    tpot = SLO_HEADROOM * engine.decode_token_s(biggest_concurrency)
+    return {SloClass.TIGHT: SloTarget(ttft_s=ttft, tpot_s=tpot),
+            SloClass.LOOSE: SloTarget(ttft_s=LOOSE_FACTOR * ttft, tpot_s=LOOSE_FACTOR * tpot)}
+
+
+def fit_cost_model(m: Measurements, name: str, serving_overhead_s: float = 0.0) -> tuple[CostModel, FitReport]:
+    engine, prefill, decode = fit_engine(m.prefill, m.decode, m.kv_capacity_tokens, m.block_size, m.max_num_seqs,
+                                         m.max_batched_tokens)
+    xfer, transfer = fit_transfer(m.transfer)
+    slo = slo_targets(engine, xfer, int(max(s.x for s in m.decode)), serving_overhead_s)
     cm = CostModel(name=name, model=m.model, engine=engine, transfer=xfer, slo=slo,
                    serving_overhead_s=serving_overhead_s, calibrated=True)
     return cm, FitReport(prefill, decode, transfer)
+
+
+@dataclass(slots=True)
+class InstanceSamples:
+    """What `disagg calibrate --live` measured on one running instance."""
+
+    prefill: list[Sample]
+    decode: list[Sample]
+    held_out_prefill: list[Sample]
+    held_out_decode: list[Sample]
+    kv_capacity_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceFit:
+    engine: EngineConstants
+    prefill: PrefillFit
+    decode: LinearFit
+    held_out: dict
+
+    def as_dict(self) -> dict:
+        return {"prefill": self.prefill.as_dict(), "decode": self.decode.as_dict(), "held_out": self.held_out}
+
+
+def fit_fleet(samples: dict[str, InstanceSamples], base: CostModel, name: str, model: str,
+              serving_overhead_s: float, measured_at: str) -> tuple[CostModel, dict[str, InstanceFit]]:
+    """The live fleet's cost model: each instance's own constants (`instances`), the pool-wide
+    default fitted over every instance's samples (an instance started later is priced by it), KV
+    transfer and per-pair constants kept from `base` (probes move no KV), SLO targets by the
+    documented rule from the pool-wide fit. Any instance whose fit is refused refuses the whole."""
+    if not samples:
+        raise CalibrationError("no instance was measured")
+    e = base.engine
+    limits = (e.block_size, e.max_num_seqs, e.max_batched_tokens)
+    fits: dict[str, InstanceFit] = {}
+    for iid, s in samples.items():
+        try:
+            engine, prefill, decode = fit_engine(s.prefill, s.decode, s.kv_capacity_tokens, *limits, measured_at)
+        except CalibrationError as err:
+            raise CalibrationError(f"instance {iid}: {err}") from None
+        fits[iid] = InstanceFit(engine, prefill, decode, held_out_error(engine, s.held_out_prefill, s.held_out_decode))
+    every = list(samples.values())
+    pool, _, _ = fit_engine([x for s in every for x in s.prefill], [x for s in every for x in s.decode],
+                            min(s.kv_capacity_tokens for s in every), *limits, measured_at)
+    biggest = int(max(x.x for s in every for x in s.decode))
+    cm = base.model_copy(update={
+        "name": name, "model": model, "engine": pool, "instances": {iid: f.engine for iid, f in fits.items()},
+        "slo": slo_targets(pool, base.transfer, biggest, serving_overhead_s),
+        "serving_overhead_s": serving_overhead_s, "calibrated": True})
+    return CostModel.model_validate(cm.model_dump()), fits
 
 
 def serving_overhead(outside_engines_s: list[float]) -> float:
@@ -253,10 +323,10 @@ def serving_overhead(outside_engines_s: list[float]) -> float:
     return max(float(np.median(outside_engines_s)), 0.0)
 
 
-def held_out_error(cm: CostModel, prefill: list[Sample], decode: list[Sample]) -> dict:
+def held_out_error(engine: EngineConstants, prefill: list[Sample], decode: list[Sample]) -> dict:
     """Predicted vs measured on samples the fit did not see: median and p90 relative error."""
-    rel = [abs(cm.engine.prefill_s(int(s.x)) - s.seconds) / s.seconds for s in prefill]
-    rel += [abs(cm.engine.decode_token_s(int(s.x)) - s.seconds) / s.seconds for s in decode]
+    rel = [abs(engine.prefill_s(int(s.x)) - s.seconds) / s.seconds for s in prefill]
+    rel += [abs(engine.decode_token_s(int(s.x)) - s.seconds) / s.seconds for s in decode]
     if not rel:
         raise CalibrationError("no held-out samples")
     return {"n": len(rel), "median_rel_error": float(np.median(rel)), "p90_rel_error": float(np.percentile(rel, 90))}

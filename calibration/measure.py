@@ -17,9 +17,7 @@ held-out check.
 
 from __future__ import annotations
 
-import asyncio
 import random
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -28,6 +26,7 @@ from calibration.fit import Measurements, Sample
 from disagg.core.types import Role
 from serve_app.config import AppConfig
 from serve_app.engine import VllmEngine
+from serve_app.probes import median_step_s
 
 GREEDY = {"temperature": 0.0}
 SHORTEST_PROMPT = 16
@@ -164,28 +163,8 @@ class Calibrator:
 
     async def _decode_step(self, D: VllmEngine, batch: int, tokens: int) -> float:
         """Median inter-token gap while all `batch` streams run together."""
-        gaps: list[float] = []
-        started = 0
-        all_running = asyncio.Event()
-
-        async def one() -> None:
-            nonlocal started
-            last = None
-            async for chunk in D.decode(self._rid("d"), self._ids(16), {"max_tokens": tokens, "ignore_eos": True,
-                                                                       **GREEDY}, None):
-                now = time.perf_counter()
-                if last is None:
-                    started += 1
-                    if started == batch:
-                        all_running.set()
-                elif all_running.is_set():
-                    gaps.append((now - last) / max(1, len(chunk.token_ids)))
-                last = now
-
-        await asyncio.gather(*(one() for _ in range(batch)))
-        if not gaps:
-            raise RuntimeError(f"no decode steps observed at concurrency {batch}")
-        return statistics.median(gaps)
+        return await median_step_s(lambda: D.decode(self._rid("d"), self._ids(16), {
+            "max_tokens": tokens, "ignore_eos": True, **GREEDY}, None), batch)
 
 
 async def serving_path_gaps(url: str, prompt_tokens: int, n: int, seed: int = 0,

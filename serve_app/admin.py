@@ -7,7 +7,10 @@
   `router.cost_model_dir` (`access.CostModelFiles`; anything else is one 400 that does not
   say whether the path exists);
 - `reset_prefix_cache()`: drop every engine's cached prefixes (between benchmark runs), and
-  `forget_prefixes()` this router replica's index of them (the ingress has every replica do it).
+  `forget_prefixes()` this router replica's index of them (the ingress has every replica do it);
+- `probe(body)`: one calibration measurement on exactly one instance (`disagg calibrate --live`):
+  `{"instance", "kind": "prefill"|"decode", "size", "tokens", "seed", "repeats"}`, sizes bounded
+  by what the model's engines take.
 A body naming no `model` applies to every model. Invalid bodies raise `ApiError` (400) naming the
 field, and change nothing: every target's new policy is built before any is swapped in.
 Who may call these is the ingress's business (`access.Access.admin`), checked before they run.
@@ -15,6 +18,7 @@ Who may call these is the ingress's business (`access.Access.admin`), checked be
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import asdict
 from typing import Mapping
@@ -23,10 +27,16 @@ from disagg.core.cost_model import CostModelError
 from disagg.core.ledger import Ledger
 from disagg.core.policies import PolicyError, build_policy, known_policies
 from serve_app.access import CostModelFiles
+from serve_app.messages import ProbeCall, ProbeKind
 from serve_app.openai_api import ApiError
-from serve_app.registry import InstanceRegistry
+from serve_app.registry import Instance, InstanceRegistry
 from serve_app.request_log import Counters
 from serve_app.served_model import ServedModel
+
+PROBE_TOKENS = 32  # a decode probe's tokens per stream, unless the body says
+PROBE_MAX_TOKENS = 512
+PROBE_MAX_REPEATS = 16
+PROBE_TIMEOUT_S = 60.0
 
 
 class Admin:
@@ -50,15 +60,26 @@ class Admin:
             "models": {m.name: {"policy": m.policy.name, "policy_params": m.policy_params,
                                 "cost_model": m.cost_model.name,
                                 "layout": "colocated" if m.cfg.is_colocated else "disaggregated",
-                                "prefix_index_block_tokens": m.prefix_index.block_tokens if m.prefix_index else None}
+                                "prefix_index_block_tokens": m.prefix_index.block_tokens if m.prefix_index else None,
+                                "source": m.cfg.model.source, "max_model_len": m.cfg.model.max_model_len, "max_num_seqs": m.cfg.engine.max_num_seqs,
+                                "cost_model_constants": m.cost_model.to_dict()}
                        for m in self.models.values()},
             "instances": {i.instance_id: {"role": i.role.value, "model": i.model, **i.report.as_dict(),
                                           "backlog_s": self.ledger.backlog_s(i.instance_id),
                                           "queued": self.ledger.queued(i.instance_id),
-                                          "prefix_index_blocks": self._indexed_blocks(i.model, i.instance_id)}
+                                          "prefix_index_blocks": self._indexed_blocks(i.model, i.instance_id),
+                                          **self._constants(i)}
                           for i in self.registry.instances.values()},
             "in_flight": len(self.ledger), "counters": asdict(self.counters),
         }
+
+    def _constants(self, inst: Instance) -> dict:
+        """The constants the router prices this instance with, and whether they were measured on it
+        (`disagg calibrate --live`, with `measured_at`) or are its model's pool-wide ones."""
+        cm = self.models[inst.model].cost_model
+        own = inst.instance_id in cm.instances
+        return {"constants": self.registry.constants(self.models[inst.model], inst).model_dump(mode="json"),
+                "constants_source": "instance" if own else "pool"}
 
     def _indexed_blocks(self, model: str, instance_id: str) -> int:
         """Blocks this router replica's prefix index believes the instance holds."""
@@ -120,6 +141,40 @@ class Admin:
         m.cost_model, m.policy = cm, policy
         return {"cost_model": cm.name, "calibrated": cm.calibrated, "model": m.name}
 
+    async def probe(self, raw_body: bytes) -> dict:
+        """Run one calibration probe on the instance the body names; 400 naming the field for a bad
+        body, an unknown instance or a size its engines cannot take."""
+        try:
+            body = json.loads(raw_body)
+            if not isinstance(body, dict):
+                raise TypeError
+        except (json.JSONDecodeError, TypeError, UnicodeDecodeError):
+            raise ApiError('body must be {"instance": <id>, "kind": "prefill"|"decode", "size": <int>}',
+                           param="instance") from None
+        inst = self.registry.get(body.get("instance")) if isinstance(body.get("instance"), str) else None
+        if inst is None:
+            raise ApiError(f"instance must be a live instance id, got {body.get('instance')!r}; live: "
+                           f"{sorted(self.registry.instances)}", param="instance")
+        try:
+            kind = ProbeKind(body.get("kind"))
+        except ValueError:
+            raise ApiError(f"kind must be one of {[k.value for k in ProbeKind]}, got {body.get('kind')!r}",
+                           param="kind") from None
+        cfg = self.models[inst.model].cfg
+        top = cfg.model.max_model_len - 1 if kind is ProbeKind.PREFILL else cfg.engine.max_num_seqs
+        size = _bounded_int(body, "size", 1, top, None)
+        tokens = _bounded_int(body, "tokens", 2, PROBE_MAX_TOKENS, PROBE_TOKENS) if kind is ProbeKind.DECODE else 1
+        seed = _bounded_int(body, "seed", 0, 2**31 - 1, 0)
+        repeats = _bounded_int(body, "repeats", 1, PROBE_MAX_REPEATS, 1)
+        handle = self.models[inst.model].handles[inst.role]
+        reply = await asyncio.wait_for(
+            handle.probe.remote(ProbeCall(kind, size, tokens, seed, repeats), replica=inst.replica), PROBE_TIMEOUT_S)
+        if reply.replica != inst.replica:  # the pinned replica left between the lookup and the call
+            raise ApiError(f"instance {inst.instance_id} is gone; probed {reply.replica} instead, discarded",
+                           status=409, kind="conflict", param="instance")
+        return {"instance": inst.instance_id, "kind": kind.value, "size": size, "tokens": tokens, "repeats": repeats,
+                "seconds": reply.seconds, "samples": list(reply.samples), "kv_capacity_tokens": reply.kv_capacity_tokens}
+
     def forget_prefixes(self, raw_body: bytes = b"") -> dict:
         """Empty this replica's prefix index (the engines' caches were reset)."""
         for m in self.models.values():
@@ -134,3 +189,10 @@ class Admin:
                 key = role.value if len(self.models) == 1 else f"{m.name}:{role.value}"
                 out[key] = await h.broadcast("reset_prefix_cache").results_async(timeout_s=30.0)
         return out
+
+
+def _bounded_int(body: dict, key: str, low: int, high: int, default: int | None) -> int:
+    v = body.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise ApiError(f"{key} must be an integer in [{low}, {high}], got {v!r}", param=key)
+    return v

@@ -510,6 +510,22 @@ class VllmEngine:
         finally:
             await gen.aclose()  # no-op when finished; aborts in vLLM when we stopped early
 
+    async def generate_local(self, request_id: str, prompt_token_ids: Sequence[int],
+                             max_tokens: int) -> AsyncIterator[TokenChunk]:
+        """A greedy completion of exactly `max_tokens` computed on this engine whatever its role,
+        its KV neither published nor pulled: what calibration probes time (`serve_app.probes`).
+        Closing the iterator early aborts the request in vLLM."""
+        params = _sampling_params({"temperature": 0.0, "ignore_eos": True}, kv_transfer_params=None,
+                                  max_tokens=max_tokens, stream=True, keep_stop=True)
+        gen = self._engine.generate(_engine_input(self._engine, prompt_token_ids), params, request_id)
+        try:
+            async for out in gen:
+                for c in out.outputs:
+                    if c.token_ids:
+                        yield TokenChunk(tuple(c.token_ids), c.text, c.finish_reason, None)
+        finally:
+            await gen.aclose()
+
     async def abort(self, request_id: str) -> None:
         """Abort an in-flight request; finished ids are ignored. An id not seen yet is remembered:
         a prefill that arrives after its own abort is refused."""

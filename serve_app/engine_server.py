@@ -7,7 +7,8 @@ Called by the router deployment through the pool's handle with `replica=<this re
   given, prefills locally when it is None (colocated, or the fallback after a failed prefill);
 - `state()`: load signals, polled by the router every `poll_interval_s`;
 - `abort(request_id)`, `release_kv(request_id, kv_transfer_params)` (free a prefill's KV that will
-  never be pulled), `reset_prefix_cache()`: control plane.
+  never be pulled), `reset_prefix_cache()`: control plane;
+- `probe(call)`: one calibration measurement on this very engine (`disagg calibrate --live`).
 Every reply names the replica that produced it, so the router can verify the pinning.
 
 Each replica claims a NIXL side-channel port at start from the range the config owns
@@ -26,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
+import statistics
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -39,9 +42,11 @@ from serve_app.autoscale import PLANNED_WIDTH
 from serve_app.config import AppConfig
 from serve_app.engine import EngineSpec, RequestAborted, VllmEngine
 from serve_app.messages import (
-    DecodeCall, DecodeChunk, EngineStateReport, InvalidRequest, PrefillCall, PrefillReply,
+    DecodeCall, DecodeChunk, EngineStateReport, InvalidRequest, PrefillCall, PrefillReply, ProbeCall, ProbeKind,
+    ProbeReply,
 )
 from serve_app.ports import claim_port
+from serve_app.probes import first_output_s, median_step_s, random_prompt
 
 logger = logging.getLogger("ray.serve")
 
@@ -308,6 +313,27 @@ class EngineServer:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
+
+    async def probe(self, call: ProbeCall, replica: str | None = None) -> ProbeReply:
+        """One calibration measurement on this engine (`serve_app.probes`), beside the traffic it
+        serves: the caller bounds the sizes (`Admin.probe`) and paces the probes."""
+        rng = random.Random(call.seed)
+        vocab = min(len(self.engine.tokenizer), 50_000)
+        tag = f"probe-{self.replica_id}-{call.seed}-{time.monotonic_ns()}"
+        ids = iter(range(1 << 30))
+
+        def stream(prompt_tokens: int, tokens: int):
+            return self.engine.generate_local(f"{tag}-{next(ids)}", random_prompt(rng, prompt_tokens, vocab), tokens)
+
+        samples = []
+        for _ in range(call.repeats):
+            if call.kind is ProbeKind.PREFILL:
+                samples.append(await first_output_s(stream(call.size, 1)))
+            else:
+                samples.append(await median_step_s(lambda: stream(16, call.tokens), call.size))
+        s = await self.engine.state()
+        return ProbeReply(seconds=statistics.median(samples), replica=self.replica_id,
+                          kv_capacity_tokens=s.kv_capacity_tokens, samples=tuple(samples))
 
     async def set_planned_width(self, width: int) -> None:
         """The router's planner sized this pool (`serve_app.autoscale`)."""

@@ -4,7 +4,9 @@ The router calls each engine replica through its pool's handle, always with `rep
 keyword (`pinned_router` reads it):
 - `prefill(PrefillCall) -> PrefillReply`;
 - `decode(DecodeCall)`, a stream of `DecodeChunk`s; the first one names the replica that serves it;
-- `state() -> EngineStateReport`, polled by the router's `InstanceRegistry`.
+- `state() -> EngineStateReport`, polled by the router's `InstanceRegistry`;
+- `probe(ProbeCall) -> ProbeReply`: a calibration measurement on exactly this engine
+  (`/admin/probe`, driven by `disagg calibrate --live`).
 Every reply names the replica that produced it, so the router can verify the pinning (`misrouted`).
 A call the engine refuses as invalid (vLLM's validation, e.g. a schema it cannot compile) raises
 `InvalidRequest`: the router answers 400 and does not try another instance.
@@ -15,6 +17,7 @@ Ray pickles these dataclasses across processes; they hold plain values only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any
 
 from disagg.core.types import Role
@@ -113,3 +116,29 @@ class EngineStateReport:
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe (the role as its value), for `/admin/state`."""
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"role": self.role.value}
+
+
+class ProbeKind(str, Enum):
+    PREFILL = "prefill"  # a lone prompt of `size` tokens: its time to the first token
+    DECODE = "decode"  # `size` streams of `tokens` tokens at once: the median step while all run
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeCall:
+    """One calibration measurement, computed on the engine alone: a greedy completion of random token
+    ids (no prefix-cache hits), no KV moving, timed inside the engine replica so that no Serve hop
+    is counted."""
+
+    kind: ProbeKind
+    size: int  # prompt tokens (prefill) or concurrent streams (decode)
+    tokens: int = 1  # output tokens per stream (decode)
+    seed: int = 0  # of the random prompts
+    repeats: int = 1  # measured back to back; the reply's `seconds` is their median
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeReply:
+    seconds: float  # the median over the repeats of the prefill's time to its first token, or of the decode step
+    replica: str  # the replica that measured it
+    kv_capacity_tokens: int  # its KV cache size, in tokens
+    samples: tuple[float, ...] = ()  # every repeat's value

@@ -331,6 +331,16 @@ class Router:
         """Reload a model's cost model without a restart: {"cost_model": ..., "model": ...}."""
         return self.access.admin(request) or await self._admin_change("set_cost_model", await request.body())
 
+    @fastapi_app.post("/admin/probe")
+    async def admin_probe(self, request: Request) -> Response:
+        """One calibration measurement on one engine instance (`disagg calibrate --live`)."""
+        if (refused := self.access.admin(request)) is not None:
+            return refused
+        try:
+            return JSONResponse(await self.admin.probe(await request.body()))
+        except ApiError as e:
+            return _error(e)
+
     async def apply_admin(self, op: str, raw_body: bytes) -> str:
         """Apply an admin change another router replica validated (see `_admin_change`)."""
         getattr(self.admin, op)(raw_body)

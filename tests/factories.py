@@ -205,6 +205,15 @@ class StandInPool:
     def release_kv(self) -> "_PinnedMethod":
         return _PinnedMethod(self, "release_kv", self.release_reply)
 
+    async def probe_reply(self, call, replica: str):
+        from serve_app.messages import ProbeReply
+
+        return ProbeReply(seconds=0.001, replica=replica, kv_capacity_tokens=65536)
+
+    @property
+    def probe(self) -> "_PinnedMethod":
+        return _PinnedMethod(self, "probe", self.probe_reply)
+
 
 class _PinnedMethod:
     """`pool.<method>.remote(call, replica=...)`, as a Serve handle offers it."""

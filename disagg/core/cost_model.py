@@ -62,6 +62,9 @@ class EngineConstants(_Strict):
     block_size: int = Field(default=16, gt=0, description="KV block size in tokens")
     max_num_seqs: int = Field(default=256, gt=0, description="cap on running sequences")
     max_batched_tokens: int = Field(default=2048, gt=0, description="token budget per step (chunked prefill)")
+    measured_at: str | None = Field(
+        default=None, description="when these constants were measured on the engine they describe (ISO 8601, "
+                                  "UTC; `disagg calibrate --live` writes it); None: not measured per instance")
 
     @model_validator(mode="after")
     def _decode_step_is_physical(self) -> "EngineConstants":

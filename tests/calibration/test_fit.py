@@ -62,10 +62,10 @@ def test_held_out_error_is_small_for_a_good_fit_and_large_for_a_bad_one():
     m = synthetic(0.02)
     cm, _ = fit_cost_model(m, "t")
     fresh = synthetic(0.02, seed=9)
-    good = held_out_error(cm, fresh.prefill, fresh.decode)
+    good = held_out_error(cm.engine, fresh.prefill, fresh.decode)
     assert good["median_rel_error"] < 0.05
     slow = synthetic(0.0, tau_pre=5e-5, base=0.004)
-    bad = held_out_error(cm, slow.prefill, slow.decode)
+    bad = held_out_error(cm.engine, slow.prefill, slow.decode)
     assert bad["median_rel_error"] > 0.3
 
 
@@ -189,9 +189,9 @@ def test_the_attention_term_is_what_makes_a_quadratic_prefill_predictable():
     m = quadratic(0.02)
     cm, _ = fit_cost_model(m, "t")
     fresh = quadratic(0.02, seed=7)
-    with_term = held_out_error(cm, fresh.prefill, fresh.decode)
+    with_term = held_out_error(cm.engine, fresh.prefill, fresh.decode)
     linear = cm.model_copy(update={"engine": cm.engine.model_copy(update={"prefill_attention_s": 0.0})})
-    without = held_out_error(linear, fresh.prefill, fresh.decode)
+    without = held_out_error(linear.engine, fresh.prefill, fresh.decode)
     assert with_term["p90_rel_error"] < 0.03 < 0.2 < without["p90_rel_error"]
 
 

@@ -52,6 +52,7 @@ ADMIN_ROUTES = [  # (method, path, a valid body)
     ("POST", "/admin/policy", {"name": "marginal_cost"}),
     ("POST", "/admin/cost_model", {"cost_model": "cpu-tiny"}),
     ("POST", "/admin/reset_prefix_cache", None),
+    ("POST", "/admin/probe", {"instance": "prefill-p1", "kind": "prefill", "size": 8}),
 ]
 # Authorization headers that carry no valid key: (label, header values, the error code)
 BAD_CREDENTIALS = [

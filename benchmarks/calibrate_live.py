@@ -1,0 +1,88 @@
+"""Live calibration of the running fleet, repeated: wall time, held-out error, and how well other
+constants predict the same engines.
+
+Usage (the app running, e.g. `make run`):
+
+    .venv/bin/python benchmarks/calibrate_live.py --url http://127.0.0.1:8000 --runs 3 \
+        [--quick] [--compare runs/cpu-calibrated.yaml] --json runs/calibrate-live.json
+
+Each run is what `disagg calibrate --live` does (`calibration.live.calibrate_fleet`, then
+`calibration.fit.fit_fleet`), without writing or applying a cost model. Per run it reports the
+seconds of probing, and per instance the held-out median and p90 relative error of that
+instance's own constants. With `--compare FILE` (a cost model, e.g. from `disagg calibrate
+--config`, measured on engines started apart from the app), the same held-out samples are also
+predicted by that file's constants, so the two kinds of calibration are judged on one set of
+measurements. Prints medians and ranges over the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from calibration.fit import held_out_error, fit_fleet
+from calibration.live import calibrate_fleet
+from disagg.core.cost_model import CostModel
+from disagg.files import write_json_atomic
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3g} [{min(xs):.3g}, {max(xs):.3g}]"
+
+
+def one_run(url: str, quick: bool, pause_s: float, seed: int, compare: CostModel | None) -> dict:
+    t0 = time.monotonic()
+    fleet, samples, probing_s = asyncio.run(calibrate_fleet(url, None, quick, pause_s, 600.0, seed))
+    cm, fits = fit_fleet(samples, fleet.cost_model, "bench", fleet.source, 0.0, "bench")
+    out = {"probing_s": probing_s, "wall_s": time.monotonic() - t0, "instances": {}}
+    for iid, f in fits.items():
+        s = samples[iid]
+        row = {"role": fleet.instances[iid], "own": f.held_out, "tau_pre_s": f.engine.prefill_token_s,
+               "step_base_s": f.engine.step_base_s, "decode_seq_s": f.engine.decode_seq_s,
+               "pool": held_out_error(cm.engine, s.held_out_prefill, s.held_out_decode)}
+        if compare is not None:
+            row["compare"] = held_out_error(compare.engine, s.held_out_prefill, s.held_out_decode)
+        out["instances"][iid] = row
+    out["held_out_median"] = statistics.median(r["own"]["median_rel_error"] for r in out["instances"].values())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--pause-s", type=float, default=0.02)
+    ap.add_argument("--compare", help="a cost-model YAML whose constants also predict the held-out samples")
+    ap.add_argument("--json", help="write every run here (atomically)")
+    args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error("--runs must be >= 1")
+    compare = CostModel.load(args.compare) if args.compare else None
+    runs = []
+    for k in range(args.runs):
+        runs.append(one_run(args.url.rstrip("/"), args.quick, args.pause_s, seed=k, compare=compare))
+        r = runs[-1]
+        print(f"run {k + 1}: {r['probing_s']:.1f} s probing, held-out median {r['held_out_median']:.1%} "
+              f"(median over {len(r['instances'])} instances)", file=sys.stderr)
+    print(f"probing seconds: {spread([r['probing_s'] for r in runs])}")
+    print(f"held-out median error (own constants, median over instances): "
+          f"{spread([r['held_out_median'] * 100 for r in runs])} %")
+    kinds = ["own", "pool"] + (["compare"] if compare else [])
+    for iid in runs[0]["instances"]:
+        cells = [r["instances"][iid] for r in runs if iid in r["instances"]]
+        errs = "; ".join(f"{k} {spread([c[k]['median_rel_error'] * 100 for c in cells])} %" for k in kinds)
+        print(f"{iid} ({cells[0]['role']}): τ_pre {spread([c['tau_pre_s'] * 1e6 for c in cells])} µs/token, "
+              f"step base {spread([c['step_base_s'] * 1e3 for c in cells])} ms; held-out median error: {errs}")
+    if args.json:
+        write_json_atomic(Path(args.json), {"runs": runs, "quick": args.quick, "pause_s": args.pause_s,
+                                            "compare": args.compare})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

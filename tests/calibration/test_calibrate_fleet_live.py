@@ -1,0 +1,103 @@
+"""`disagg calibrate --live` on the session's running app: every engine instance measured through
+`/admin/probe`, per-instance constants written and reloaded by the router, `/admin/state` showing
+them with when they were measured."""
+
+import json
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+
+import httpx
+import pytest
+
+from disagg.core.cost_model import CostModel
+
+pytestmark = pytest.mark.stack
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with httpx.Client(base_url=stack.base_url, timeout=httpx.Timeout(120.0)) as c:
+        yield c
+
+
+def admin_state(client) -> dict:
+    r = client.get("/admin/state")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_probe_measures_exactly_the_named_instance(client):
+    instances = admin_state(client)["instances"]
+    for iid in instances:
+        r = client.post("/admin/probe", json={"instance": iid, "kind": "prefill", "size": 256})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["instance"] == iid and 0 < body["seconds"] < 5
+        assert body["kv_capacity_tokens"] == instances[iid]["kv_capacity_tokens"]
+    r = client.post("/admin/probe", json={"instance": iid, "kind": "decode", "size": 4, "tokens": 8})
+    assert r.status_code == 200 and 0 < r.json()["seconds"] < 1, r.text
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"not json", "instance"),
+    ({"instance": "decode-nobody", "kind": "prefill", "size": 8}, "instance"),
+    ({"kind": "prefill", "size": 8}, "instance"),
+    ({"instance": "<live>", "kind": "sideways", "size": 8}, "kind"),
+    ({"instance": "<live>", "kind": "prefill", "size": 0}, "size"),
+    ({"instance": "<live>", "kind": "prefill", "size": 2048}, "size"),  # max_model_len 2048: no room to sample
+    ({"instance": "<live>", "kind": "prefill", "size": True}, "size"),
+    ({"instance": "<live>", "kind": "decode", "size": 65}, "size"),  # max_num_seqs 64
+    ({"instance": "<live>", "kind": "decode", "size": 2, "tokens": 1}, "tokens"),
+    ({"instance": "<live>", "kind": "decode", "size": 2, "seed": -1}, "seed"),
+])
+def test_a_bad_probe_is_a_400_naming_the_field(client, body, param):
+    live = next(iter(admin_state(client)["instances"]))
+    if isinstance(body, dict):
+        r = client.post("/admin/probe", json={k: live if v == "<live>" else v for k, v in body.items()})
+    else:
+        r = client.post("/admin/probe", content=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_the_running_fleet_is_calibrated_per_instance_and_the_router_prices_with_it(client, stack, tmp_path):
+    before = admin_state(client)
+    (model, info), = before["models"].items()
+    runs = stack.run_dir / "runs"  # the CPU profile's router.cost_model_dir: --apply may load only from there
+    runs.mkdir(exist_ok=True)
+    saved = runs / "before-live-calibration.yaml"
+    CostModel.from_dict(info["cost_model_constants"]).save(saved)
+    out, report = runs / "live-by-tests.yaml", tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "disagg.cli", "calibrate", "--live", "--url", stack.base_url, "--out", str(out),
+           "--quick", "--apply", "--report", str(report), "--url-requests", "4", "--budget-s", "240"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        cm = CostModel.load(out)
+        assert set(cm.instances) == set(before["instances"])  # every live instance, by its id
+        when = {c.measured_at for c in cm.instances.values()}
+        assert len(when) == 1
+        age = datetime.now(timezone.utc) - datetime.fromisoformat(when.pop())
+        assert timedelta(0) <= age < timedelta(minutes=10)
+        for c in cm.instances.values():
+            assert 0 < c.prefill_token_s < 1e-3 and 0 < c.step_base_s < 0.1 and c.kv_capacity_tokens > 10_000
+        assert cm.calibrated and cm.model == info["source"] and cm.transfer.model_dump() == \
+            info["cost_model_constants"]["transfer"]  # probes move no KV: the transfer is kept
+        assert "applied" in proc.stdout and "held-out" in proc.stdout
+        r = json.loads(report.read_text())
+        assert set(r["instances"]) == set(cm.instances)
+        assert all(f["held_out"]["n"] >= 2 for f in r["instances"].values())
+
+        after = admin_state(client)
+        assert after["models"][model]["cost_model"] == cm.name
+        for iid, inst in after["instances"].items():
+            assert inst["constants_source"] == "instance", iid
+            own = cm.instances[iid].model_dump(mode="json")
+            assert inst["constants"] == {**own, "kv_capacity_tokens": inst["kv_capacity_tokens"]}
+            assert inst["constants"]["measured_at"] == cm.instances[iid].measured_at
+    finally:
+        r = client.post("/admin/cost_model", json={"cost_model": str(saved), "model": model})
+        assert r.status_code == 200, r.text
+        out.unlink(missing_ok=True)
+    source = lambda st: {i: x["constants_source"] for i, x in st["instances"].items()}  # noqa: E731
+    assert source(admin_state(client)) == source(before)
