@@ -576,8 +576,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--name", help="name recorded in the file")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--report", help="also write the fit report as JSON")
-    cal.add_argument("--url", help="a running app (e.g. http://127.0.0.1:8000): also measure the serving path's "
-                                   "overhead outside the engines, for the simulator and the TTFT targets")
+    cal.add_argument("--url", help="a running app (e.g. http://127.0.0.1:8000): with --live, the app to calibrate; "
+                                   "either way, also measure the serving path's overhead outside the engines, for "
+                                   "the simulator and the TTFT targets")
     cal.add_argument("--url-requests", type=int, default=16, help="lone requests through the app for --url")
     cal.add_argument("--model", help="the served model to calibrate, in a config (or app) that serves several")
     cal.add_argument("--live", action="store_true",

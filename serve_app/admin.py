@@ -61,7 +61,9 @@ class Admin:
                                 "cost_model": m.cost_model.name,
                                 "layout": "colocated" if m.cfg.is_colocated else "disaggregated",
                                 "prefix_index_block_tokens": m.prefix_index.block_tokens if m.prefix_index else None,
-                                "source": m.cfg.model.source, "max_model_len": m.cfg.model.max_model_len, "max_num_seqs": m.cfg.engine.max_num_seqs,
+                                # what `disagg calibrate --live` needs to know of the fleet
+                                "source": m.cfg.model.source, "max_model_len": m.cfg.model.max_model_len,
+                                "max_num_seqs": m.cfg.engine.max_num_seqs,
                                 "cost_model_constants": m.cost_model.to_dict()}
                        for m in self.models.values()},
             "instances": {i.instance_id: {"role": i.role.value, "model": i.model, **i.report.as_dict(),
@@ -167,8 +169,17 @@ class Admin:
         seed = _bounded_int(body, "seed", 0, 2**31 - 1, 0)
         repeats = _bounded_int(body, "repeats", 1, PROBE_MAX_REPEATS, 1)
         handle = self.models[inst.model].handles[inst.role]
-        reply = await asyncio.wait_for(
-            handle.probe.remote(ProbeCall(kind, size, tokens, seed, repeats), replica=inst.replica), PROBE_TIMEOUT_S)
+        try:
+            reply = await asyncio.wait_for(
+                handle.probe.remote(ProbeCall(kind, size, tokens, seed, repeats), replica=inst.replica),
+                PROBE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ApiError(f"the probe on {inst.instance_id} took over {PROBE_TIMEOUT_S:g} s", status=504,
+                           kind="timeout_error", param="instance") from None
+        except Exception as e:  # the engine failed it: say which and why, not a bare 500
+            why = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+            raise ApiError(f"the probe on {inst.instance_id} failed: {why}", status=502, kind="engine_error",
+                           param="instance") from None
         if reply.replica != inst.replica:  # the pinned replica left between the lookup and the call
             raise ApiError(f"instance {inst.instance_id} is gone; probed {reply.replica} instead, discarded",
                            status=409, kind="conflict", param="instance")

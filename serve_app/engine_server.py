@@ -25,6 +25,7 @@ replica's log, and Serve starts another replica, instead of failing a user's fir
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import random
@@ -320,7 +321,7 @@ class EngineServer:
         rng = random.Random(call.seed)
         vocab = min(len(self.engine.tokenizer), 50_000)
         tag = f"probe-{self.replica_id}-{call.seed}-{time.monotonic_ns()}"
-        ids = iter(range(1 << 30))
+        ids = itertools.count()
 
         def stream(prompt_tokens: int, tokens: int):
             return self.engine.generate_local(f"{tag}-{next(ids)}", random_prompt(rng, prompt_tokens, vocab), tokens)
