@@ -84,6 +84,9 @@ class Job:
         self.preemptions = 0
 
 
+_NO_JOBS: tuple[()] = ()
+
+
 @dataclass(slots=True)
 class StepOutcome:
     prefilled: list[Job] = field(default_factory=list)  # prefill-only jobs now HOLDING
@@ -118,6 +121,7 @@ class EngineModel:
         self.steps_run = 0
         self.preemptions = 0
         self.version = 0  # bumped whenever what a poll reads may have changed
+        self._decode_step_s: dict[int, float] = {}  # batch size → `c.step_s(0, size)`
 
     # --- what the router's poll sees -------------------------------------------------------
 
@@ -166,9 +170,12 @@ class EngineModel:
         self.holding -= 1
         self.version += 1
 
-    def take_transfers(self) -> list[Job]:
+    def take_transfers(self) -> list[Job] | tuple[()]:
         """Decode-side jobs admitted since the last call: the caller starts their KV transfers."""
-        out, self._transfers = self._transfers, []
+        out = self._transfers
+        if not out:
+            return _NO_JOBS  # the common answer, without a new list each call
+        self._transfers = []
         return out
 
     def poke(self, now: float) -> float | None:
@@ -196,31 +203,37 @@ class EngineModel:
 
     def _blocks_over(self, k: int) -> int:
         """Blocks the decoding batch allocates over the next k decode steps."""
+        bs, phase = self.bs, self._phase
+        j = -self.step % bs  # the phase that starts a new block at the next step
         if k == 1:
-            return self._phase[-self.step % self.bs]
-        n = len(self.decoding)
-        full, rem = divmod(k, self.bs)
-        total = full * n
-        s = self.step
-        for i in range(rem):
-            total += self._phase[(-(s + i)) % self.bs]
-        return total
+            return phase[j]
+        full, rem = divmod(k, bs)
+        # the next `rem` steps start new blocks in phases j, j-1, …, j-rem+1 (mod bs): one slice, or
+        # two where it wraps (summed in C, not a Python loop per step: the macro step's search calls this)
+        if rem <= j + 1:
+            part = sum(phase[j + 1 - rem:j + 1])
+        else:
+            part = sum(phase[:j + 1]) + sum(phase[bs - (rem - j - 1):])
+        return full * len(self.decoding) + part
 
     def _plan(self, now: float) -> float | None:
         if not (self.waiting or self.ready or self.decoding or self.prefilling):
             return None  # nothing to run (a common poke: a transfer out just freed blocks)
         self.version += 1
-        for job in self.ready:
-            self._join(job, generated=0)
-        self.ready.clear()
+        if self.ready:
+            for job in self.ready:
+                self._join(job, generated=0)
+            self.ready.clear()
         preempted = False
-        while self._blocks_over(1) > self.free_blocks and (self.decoding or self.prefilling):
+        grown = self._blocks_over(1)  # the next decode step's new blocks
+        while grown > self.free_blocks and (self.decoding or self.prefilling):
             self._preempt_newest()
             preempted = True
+            grown = self._blocks_over(1)
         n = len(self.decoding)
         budget = self.c.max_batched_tokens - n
         # the decode step's own new blocks come first (only prefill chunks compete for them)
-        reserved = self._blocks_over(1) if (self.prefilling or self.waiting) else 0
+        reserved = grown if (self.prefilling or self.waiting) else 0
         self.free_blocks -= reserved
         chunks: list[tuple[Job, int]] = []
         for job in self.prefilling:
@@ -286,7 +299,10 @@ class EngineModel:
                         hi = mid - 1
                 k = lo
             self._k = k
-            self._dur = self.c.step_s(0, n)
+            dur = self._decode_step_s.get(n)
+            if dur is None:  # the step time of a decode-only batch depends on its size alone: memoised
+                dur = self._decode_step_s[n] = self.c.step_s(0, n)
+            self._dur = dur
         else:
             self.busy = False
             return None
