@@ -280,10 +280,15 @@ class EngineModel:
         self._chunks = chunks
         if chunks:
             self._k = 1
-            finishing = sum(1 for job, c in chunks if job.computed + c >= job.prefill_goal)
-            # each chunk attends to what its job has computed so far (advanced only at end_step)
-            pairs = sum(attention_pairs(c, job.computed) for job, c in chunks) if self.c.prefill_attention_s else 0.0
-            self._dur = self.c.step_s(sum(c for _, c in chunks), n, pairs) + self.c.prefill_overhead_s * finishing
+            attention = self.c.prefill_attention_s
+            tokens = finishing = 0
+            pairs = 0.0
+            for job, c in chunks:  # one pass: a step has a chunk or two
+                tokens += c
+                finishing += job.computed + c >= job.prefill_goal
+                if attention:  # each chunk attends to what its job has computed so far (advanced at end_step)
+                    pairs += attention_pairs(c, job.computed)
+            self._dur = self.c.step_s(tokens, n, pairs) + self.c.prefill_overhead_s * finishing
         elif n:
             while self._fin and self._fin[0][3].epoch != self._fin[0][2]:
                 heapq.heappop(self._fin)
@@ -333,11 +338,12 @@ class EngineModel:
         self.free_blocks -= grown
         self.step += k
         self.steps_run += k
-        first_step_end = self._start + self._dur
-        for job in self._joined:
-            if job.state is JobState.DECODING and job.t_first is None:
-                job.t_first = first_step_end
-        self._joined.clear()
+        if self._joined:
+            first_step_end = self._start + self._dur
+            for job in self._joined:
+                if job.state is JobState.DECODING and job.t_first is None:
+                    job.t_first = first_step_end
+            self._joined.clear()
         for job, c in self._chunks:
             job.computed += c
             job.kvlen += c
@@ -356,7 +362,8 @@ class EngineModel:
                 self._finish(job, now, out)
             else:
                 self._join(job, generated=job.generated)
-        self._chunks = []
+        if self._chunks:
+            self._chunks = []
         while self._fin and self._fin[0][0] <= self.step:
             _, _, epoch, job = heapq.heappop(self._fin)
             if job.epoch != epoch or job.state is not JobState.DECODING:

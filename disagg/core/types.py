@@ -18,6 +18,10 @@ class Role(enum.Enum):
     DECODE = "decode"
     BOTH = "both"  # colocated: prefills and decodes on one engine
 
+    # members are singletons, so identity hashing is exact; Enum's own `__hash__` hashes the name in
+    # Python code, on every dict lookup keyed by a member
+    __hash__ = object.__hash__
+
     def serves_prefill(self) -> bool:
         return self is not Role.DECODE
 
@@ -30,6 +34,8 @@ class SloClass(enum.Enum):
 
     TIGHT = "tight"
     LOOSE = "loose"
+
+    __hash__ = object.__hash__  # as `Role`'s: the SLO class keys the targets, weights and predictor buckets
 
     @classmethod
     def parse(cls, value: str) -> "SloClass":

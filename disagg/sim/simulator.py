@@ -225,6 +225,7 @@ class Simulator:
         self._polled = [{iid: self._poll_one(iid, k) for iid in self.engines} for k in range(routers)]
         self._tick_seen = [dict.fromkeys(self.engines, self._tick(k, 0.0)) for k in range(routers)]
         self._polled_version = [{iid: self._version(iid) for iid in self.engines} for _ in range(routers)]
+        self._polled_free = {iid: e.free_blocks for iid, e in self.engines.items()}  # the single router's snapshots'
         self._heap: list = []
         self._seq = 0
         self._step_epoch: dict[str, int] = {iid: 0 for iid in self.engines}
@@ -276,9 +277,11 @@ class Simulator:
     def _take_poll(self, iid: str, tick: int) -> None:
         """The single router's poll of `iid` at `tick`, not taken yet (`_refresh`)."""
         self._tick_seen[0][iid] = tick
-        version = self.engines[iid].version
-        if version != self._polled_version[0][iid]:  # unchanged engine: same snapshot
-            self._polled_version[0][iid] = version
+        # a poll shows the KV use alone (`_poll_one`): while the engine's free blocks are what they were
+        # at the last snapshot, it is kept, and so are the ledger's views made of it
+        free = self.engines[iid].free_blocks
+        if free != self._polled_free[iid]:
+            self._polled_free[iid] = free
             self._polled[0][iid] = self._poll_one(iid, 0)
         self.ledger.polled(iid)
 
@@ -300,14 +303,14 @@ class Simulator:
             self._push(now + xfer, _TRANSFER, ("kv", f))
 
     def _poll_one(self, iid: str, k: int) -> PolledState:
-        """What router k's poll of `iid` reads: the engine's state, and the other routers' totals
-        from the engine's ledger of received calls."""
+        """What router k's poll of `iid` reads: the engine's KV use, and the other routers' totals
+        from the engine's ledger of received calls. Not its running and waiting counts, which the
+        live engines report too: no view is made of them."""
         e = self.engines[iid]
         if self.routers == 1 or not self.others_totals:
-            return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens, e.running, e.num_waiting)
+            return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens)
         work, calls = others(self.received[iid].totals(), self.router_ids[k])
-        return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens, e.running, e.num_waiting,
-                           others_backlog_s=work, others_queued=calls)
+        return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens, others_backlog_s=work, others_queued=calls)
 
     def _call_arrived(self, iid: str, k: int, work_s: float) -> None:
         """A call of router k, carrying its priced work, reached engine `iid`."""
