@@ -118,6 +118,7 @@ class EngineModel:
         self._chunks: list[tuple[Job, int]] = []
         self._joined: list[Job] = []
         self._transfers: list[Job] = []
+        self._grown = (0, 0)  # (k, blocks the decoding batch allocates over k steps) of the step in flight
         self.steps_run = 0
         self.preemptions = 0
         self.version = 0  # bumped whenever what a poll reads may have changed
@@ -292,9 +293,9 @@ class EngineModel:
         elif n:
             while self._fin and self._fin[0][3].epoch != self._fin[0][2]:
                 heapq.heappop(self._fin)
-            k_fin = max(1, self._fin[0][0] - self.step)
-            k = k_fin
-            if self._blocks_over(k) > self.free_blocks:
+            k = max(1, self._fin[0][0] - self.step)
+            grown = self._blocks_over(k)
+            if grown > self.free_blocks:
                 lo, hi = 1, k  # largest k whose allocations fit (k=1 fits: preemption above)
                 while lo < hi:
                     mid = (lo + hi + 1) // 2
@@ -303,6 +304,7 @@ class EngineModel:
                     else:
                         hi = mid - 1
                 k = lo
+                grown = self._blocks_over(k)
             self._k = k
             dur = self._decode_step_s.get(n)
             if dur is None:  # the step time of a decode-only batch depends on its size alone: memoised
@@ -311,6 +313,9 @@ class EngineModel:
         else:
             self.busy = False
             return None
+        # nothing that changes the decoding batch happens before `end_step`, which allocates these blocks,
+        # unless a poke cuts the step short
+        self._grown = (self._k, grown)
         self.busy = True
         self._start = now
         return now + self._k * self._dur
@@ -334,7 +339,9 @@ class EngineModel:
         out = StepOutcome()
         self.version += 1
         k = self._k
-        grown = self._blocks_over(k)
+        planned_k, grown = self._grown
+        if planned_k != k:
+            grown = self._blocks_over(k)
         self.free_blocks -= grown
         self.step += k
         self.steps_run += k

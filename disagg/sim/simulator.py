@@ -384,6 +384,9 @@ class Simulator:
         perf = time.perf_counter
         heap = self._heap
         awaiting_prefill = self._awaiting_prefill
+        # the loop's most used attributes, as locals (bound methods included: one lookup per run)
+        engines, step_epoch, ledgers, predictors = self.engines, self._step_epoch, self.ledgers, self.predictors
+        refresh, poke = self._refresh, self._poke
         fleet, signals, control = self.fleet, self.signals, self._control
         if self.scaler is not None and self.scaler.interval_s is not None:
             self._push_control(self.scaler.interval_s, _TICK, ("tick",))
@@ -402,10 +405,10 @@ class Simulator:
                 a += 1
             if kind == "step":
                 _, iid, epoch = ev
-                if epoch != self._step_epoch[iid]:
+                if epoch != step_epoch[iid]:
                     continue
-                engine = self.engines[iid]
-                self._refresh(iid, now)
+                engine = engines[iid]
+                refresh(iid, now)
                 out = engine.end_step(now)
                 if awaiting_prefill[iid]:
                     self._cache_colocated_prefills(iid)
@@ -419,18 +422,18 @@ class Simulator:
                     self._call_ended(iid, f.router, f.prefill_work_s)  # the prefill call returns
                     dj = Job(f.rid, f.req.prompt_tokens, f.req.output_tokens, remote_kv=True, payload=f)
                     f.decode_job = dj
-                    self._refresh(f.decode_id, now)
+                    refresh(f.decode_id, now)
                     self._call_arrived(f.decode_id, f.router, f.decode_work_s)  # the decode call arrives
                     if self.peer_notify_s is not None:
                         self._notify_peers(f.router, f.decode_id, f.decode_work_s, now)
-                    self.engines[f.decode_id].submit(dj)
-                    self._poke(f.decode_id, now)
+                    engines[f.decode_id].submit(dj)
+                    poke(f.decode_id, now)
                 for job in out.finished:
                     f = job.payload
                     colocated_work = f.prefill_work_s if f.prefill_id == f.decode_id else 0.0
                     self._call_ended(iid, f.router, f.decode_work_s + colocated_work)
-                    self.ledgers[f.router].finish(f.rid)
-                    self.predictors[f.router].observe(f.req.prompt_tokens, f.slo, f.req.output_tokens)
+                    ledgers[f.router].finish(f.rid)
+                    predictors[f.router].observe(f.req.prompt_tokens, f.slo, f.req.output_tokens)
                     instance_tokens[f.decode_id] += f.req.output_tokens
                     if f.prefill_id != f.decode_id:
                         instance_tokens[f.prefill_id] += f.req.prompt_tokens
@@ -444,20 +447,20 @@ class Simulator:
                         fleet.done(f.decode_id, now)
                     if progress:
                         progress(1)
-                self._poke(iid, now)
+                poke(iid, now)
             elif kind == "kv":
                 f = ev[1]
-                self._refresh(f.prefill_id, now)
-                self._refresh(f.decode_id, now)
-                self.engines[f.prefill_id].release(f.prefill_job)
+                refresh(f.prefill_id, now)
+                refresh(f.decode_id, now)
+                engines[f.prefill_id].release(f.prefill_job)
                 if fleet is not None:  # the prefill instance holds no more of it
                     fleet.done(f.prefill_id, now)
-                self.ledgers[f.router].prefill_done(f.rid)
-                self.engines[f.decode_id].kv_arrived(f.decode_job)
+                ledgers[f.router].prefill_done(f.rid)
+                engines[f.decode_id].kv_arrived(f.decode_job)
                 if f.req.prefix_hashes:
                     self._cache_prompt(f.decode_id, f.req)
-                self._poke(f.decode_id, now)
-                self._poke(f.prefill_id, now)
+                poke(f.decode_id, now)
+                poke(f.prefill_id, now)
             else:  # arrival of trace[i], at router i mod K
                 r = trace[i]
                 k = i % self.routers
@@ -465,8 +468,9 @@ class Simulator:
                 slo = r.slo_class or default_slo
                 if signals is not None:
                     signals.arrived(r.prompt_tokens, slo)
-                predicted = self.predictors[k].predict(r.prompt_tokens, slo)
-                feats = RequestFeatures(f"r{i}", r.prompt_tokens, predicted, slo, r.output_tokens, r.prefix_hashes)
+                predicted = predictors[k].predict(r.prompt_tokens, slo)
+                rid = f"r{i}"
+                feats = RequestFeatures(rid, r.prompt_tokens, predicted, slo, r.output_tokens, r.prefix_hashes)
                 pv, dv = self._views(self.prefill_ids, now, k), self._views(self.decode_ids, now, k)
                 if r.prefix_hashes:  # only then: a request without hashes is decided exactly as before
                     pv, dv = self._with_prefix_lookup(pv), self._with_prefix_lookup(dv)
@@ -478,11 +482,11 @@ class Simulator:
                     else:
                         d = policy.choose(feats, pv, dv, now)
                 except NoCapacity as e:
-                    records.append(RequestRecord.failure(f"r{i}", r, slo, now, str(e)))
+                    records.append(RequestRecord.failure(rid, r, slo, now, str(e)))
                     if progress:
                         progress(1)
                     continue
-                f = _Flight(r, f"r{i}", slo, predicted, d.prefill_id, d.decode_id, router=k)
+                f = _Flight(r, rid, slo, predicted, d.prefill_id, d.decode_id, router=k)
                 self._admit(f, now)
         extra = {}
         if fleet is not None:
