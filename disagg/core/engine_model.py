@@ -85,12 +85,17 @@ class Job:
 
 
 _NO_JOBS: tuple[()] = ()
+_NO_CHUNKS: tuple[()] = ()  # the prefill chunks of a step that only decodes
 
 
 @dataclass(slots=True)
 class StepOutcome:
     prefilled: list[Job] = field(default_factory=list)  # prefill-only jobs now HOLDING
     finished: list[Job] = field(default_factory=list)  # jobs whose last token is out
+
+
+# what a step in which no job prefilled or finished returns: one shared outcome, read only
+_QUIET_STEP = StepOutcome((), ())
 
 
 class EngineModel:
@@ -232,48 +237,7 @@ class EngineModel:
             preempted = True
             grown = self._blocks_over(1)
         n = len(self.decoding)
-        budget = self.c.max_batched_tokens - n
-        # the decode step's own new blocks come first (only prefill chunks compete for them)
-        reserved = grown if (self.prefilling or self.waiting) else 0
-        self.free_blocks -= reserved
-        chunks: list[tuple[Job, int]] = []
-        for job in self.prefilling:
-            if budget <= 0:
-                break
-            c = self._grant(job, budget)
-            if c == 0:
-                break
-            chunks.append((job, c))
-            budget -= c
-        # vLLM v1 admits nothing from the queue in a step that had to preempt: the freed blocks
-        # would only be taken back by the next decode step, throwing the chunk away. (With nothing
-        # left running, admission must go on, or the engine would idle with a queue.)
-        admit = not preempted or not (self.decoding or self.prefilling)
-        while self.waiting and budget > 0 and admit:
-            job = self.waiting[0]
-            if job.remote_kv and job.computed == 0:
-                need = self._blocks_for(job.prompt)
-                if need > self.free_blocks:
-                    break
-                self.waiting.popleft()
-                self.free_blocks -= need
-                job.blocks = need
-                job.kvlen = job.computed = job.prompt
-                job.state = JobState.TRANSFER_IN
-                self.transferring += 1
-                self._transfers.append(job)
-                continue
-            if self.running >= self.c.max_num_seqs:
-                break
-            c = self._grant(job, budget)
-            if c == 0:
-                break
-            self.waiting.popleft()
-            job.state = JobState.PREFILLING
-            self.prefilling.append(job)
-            chunks.append((job, c))
-            budget -= c
-        self.free_blocks += reserved
+        chunks = self._prefill_chunks(n, grown, preempted) if (self.prefilling or self.waiting) else _NO_CHUNKS
         if not chunks and not self.decoding and self.prefilling:
             # Partial prefills hold all the blocks and none can go on: evict the newest.
             self._preempt_newest()
@@ -320,6 +284,54 @@ class EngineModel:
         self._start = now
         return now + self._k * self._dur
 
+    def _prefill_chunks(self, n: int, grown: int, preempted: bool) -> list[tuple[Job, int]]:
+        """The prefill chunks of the next step beside `n` decoding sequences that allocate `grown` new
+        blocks: the prefills in progress first, then admissions from the queue, within the token budget.
+        Decode-side jobs whose KV arrives by transfer are admitted on the way (`take_transfers`)."""
+        budget = self.c.max_batched_tokens - n
+        # the decode step's own new blocks come first (only prefill chunks compete for them)
+        reserved = grown
+        self.free_blocks -= reserved
+        chunks: list[tuple[Job, int]] = []
+        for job in self.prefilling:
+            if budget <= 0:
+                break
+            c = self._grant(job, budget)
+            if c == 0:
+                break
+            chunks.append((job, c))
+            budget -= c
+        # vLLM v1 admits nothing from the queue in a step that had to preempt: the freed blocks
+        # would only be taken back by the next decode step, throwing the chunk away. (With nothing
+        # left running, admission must go on, or the engine would idle with a queue.)
+        admit = not preempted or not (self.decoding or self.prefilling)
+        while self.waiting and budget > 0 and admit:
+            job = self.waiting[0]
+            if job.remote_kv and job.computed == 0:
+                need = self._blocks_for(job.prompt)
+                if need > self.free_blocks:
+                    break
+                self.waiting.popleft()
+                self.free_blocks -= need
+                job.blocks = need
+                job.kvlen = job.computed = job.prompt
+                job.state = JobState.TRANSFER_IN
+                self.transferring += 1
+                self._transfers.append(job)
+                continue
+            if self.running >= self.c.max_num_seqs:
+                break
+            c = self._grant(job, budget)
+            if c == 0:
+                break
+            self.waiting.popleft()
+            job.state = JobState.PREFILLING
+            self.prefilling.append(job)
+            chunks.append((job, c))
+            budget -= c
+        self.free_blocks += reserved
+        return chunks
+
     def _grant(self, job: Job, budget: int) -> int:
         """Allocate blocks for the next prefill chunk of `job`; the chunk size, 0 if none fit."""
         c = min(job.prefill_goal - job.computed, budget)
@@ -336,7 +348,7 @@ class EngineModel:
 
     def end_step(self, now: float) -> StepOutcome:
         """The step in flight ended at `now`: advance state; returns what happened since the last call."""
-        out = StepOutcome()
+        out = None  # made for the first job that prefilled or finished: most steps have none
         self.version += 1
         k = self._k
         planned_k, grown = self._grown
@@ -360,6 +372,8 @@ class EngineModel:
             job.generated += 1
             if job.t_first is None:
                 job.t_first = now
+            if out is None:
+                out = StepOutcome()
             if job.prefill_only:
                 job.state = JobState.HOLDING
                 job.t_last = now
@@ -376,10 +390,12 @@ class EngineModel:
             if job.epoch != epoch or job.state is not JobState.DECODING:
                 continue
             self._leave_decoding(job)
+            if out is None:
+                out = StepOutcome()
             self._finish(job, now, out)
         # blocks grown by sequences that just left are already counted in their kvlen
         self.busy = False
-        return out
+        return _QUIET_STEP if out is None else out
 
     def _join(self, job: Job, generated: int) -> None:
         job.state = JobState.DECODING
