@@ -84,10 +84,18 @@ class Job:
         self.preemptions = 0
 
 
+_NO_JOBS: tuple[()] = ()
+_NO_CHUNKS: tuple[()] = ()  # the prefill chunks of a step that only decodes
+
+
 @dataclass(slots=True)
 class StepOutcome:
     prefilled: list[Job] = field(default_factory=list)  # prefill-only jobs now HOLDING
     finished: list[Job] = field(default_factory=list)  # jobs whose last token is out
+
+
+# what a step in which no job prefilled or finished returns: one shared outcome, read only
+_QUIET_STEP = StepOutcome((), ())
 
 
 class EngineModel:
@@ -115,9 +123,11 @@ class EngineModel:
         self._chunks: list[tuple[Job, int]] = []
         self._joined: list[Job] = []
         self._transfers: list[Job] = []
+        self._grown = (0, 0)  # (k, blocks the decoding batch allocates over k steps) of the step in flight
         self.steps_run = 0
         self.preemptions = 0
         self.version = 0  # bumped whenever what a poll reads may have changed
+        self._decode_step_s: dict[int, float] = {}  # batch size → `c.step_s(0, size)`
 
     # --- what the router's poll sees -------------------------------------------------------
 
@@ -166,9 +176,12 @@ class EngineModel:
         self.holding -= 1
         self.version += 1
 
-    def take_transfers(self) -> list[Job]:
+    def take_transfers(self) -> list[Job] | tuple[()]:
         """Decode-side jobs admitted since the last call: the caller starts their KV transfers."""
-        out, self._transfers = self._transfers, []
+        out = self._transfers
+        if not out:
+            return _NO_JOBS  # the common answer, without a new list each call
+        self._transfers = []
         return out
 
     def poke(self, now: float) -> float | None:
@@ -196,31 +209,88 @@ class EngineModel:
 
     def _blocks_over(self, k: int) -> int:
         """Blocks the decoding batch allocates over the next k decode steps."""
+        bs, phase = self.bs, self._phase
+        j = -self.step % bs  # the phase that starts a new block at the next step
         if k == 1:
-            return self._phase[-self.step % self.bs]
-        n = len(self.decoding)
-        full, rem = divmod(k, self.bs)
-        total = full * n
-        s = self.step
-        for i in range(rem):
-            total += self._phase[(-(s + i)) % self.bs]
-        return total
+            return phase[j]
+        full, rem = divmod(k, bs)
+        # the next `rem` steps start new blocks in phases j, j-1, …, j-rem+1 (mod bs): one slice, or
+        # two where it wraps (summed in C, not a Python loop per step: the macro step's search calls this)
+        if rem <= j + 1:
+            part = sum(phase[j + 1 - rem:j + 1])
+        else:
+            part = sum(phase[:j + 1]) + sum(phase[bs - (rem - j - 1):])
+        return full * len(self.decoding) + part
 
     def _plan(self, now: float) -> float | None:
         if not (self.waiting or self.ready or self.decoding or self.prefilling):
             return None  # nothing to run (a common poke: a transfer out just freed blocks)
         self.version += 1
-        for job in self.ready:
-            self._join(job, generated=0)
-        self.ready.clear()
+        if self.ready:
+            for job in self.ready:
+                self._join(job, generated=0)
+            self.ready.clear()
         preempted = False
-        while self._blocks_over(1) > self.free_blocks and (self.decoding or self.prefilling):
+        grown = self._blocks_over(1)  # the next decode step's new blocks
+        while grown > self.free_blocks and (self.decoding or self.prefilling):
             self._preempt_newest()
             preempted = True
+            grown = self._blocks_over(1)
         n = len(self.decoding)
+        chunks = self._prefill_chunks(n, grown, preempted) if (self.prefilling or self.waiting) else _NO_CHUNKS
+        if not chunks and not self.decoding and self.prefilling:
+            # Partial prefills hold all the blocks and none can go on: evict the newest.
+            self._preempt_newest()
+            return self._plan(now)
+        self._chunks = chunks
+        if chunks:
+            self._k = 1
+            attention = self.c.prefill_attention_s
+            tokens = finishing = 0
+            pairs = 0.0
+            for job, c in chunks:  # one pass: a step has a chunk or two
+                tokens += c
+                finishing += job.computed + c >= job.prefill_goal
+                if attention:  # each chunk attends to what its job has computed so far (advanced at end_step)
+                    pairs += attention_pairs(c, job.computed)
+            self._dur = self.c.step_s(tokens, n, pairs) + self.c.prefill_overhead_s * finishing
+        elif n:
+            while self._fin and self._fin[0][3].epoch != self._fin[0][2]:
+                heapq.heappop(self._fin)
+            k = max(1, self._fin[0][0] - self.step)
+            grown = self._blocks_over(k)
+            if grown > self.free_blocks:
+                lo, hi = 1, k  # largest k whose allocations fit (k=1 fits: preemption above)
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if self._blocks_over(mid) <= self.free_blocks:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                k = lo
+                grown = self._blocks_over(k)
+            self._k = k
+            dur = self._decode_step_s.get(n)
+            if dur is None:  # the step time of a decode-only batch depends on its size alone: memoised
+                dur = self._decode_step_s[n] = self.c.step_s(0, n)
+            self._dur = dur
+        else:
+            self.busy = False
+            return None
+        # nothing that changes the decoding batch happens before `end_step`, which allocates these blocks,
+        # unless a poke cuts the step short
+        self._grown = (self._k, grown)
+        self.busy = True
+        self._start = now
+        return now + self._k * self._dur
+
+    def _prefill_chunks(self, n: int, grown: int, preempted: bool) -> list[tuple[Job, int]]:
+        """The prefill chunks of the next step beside `n` decoding sequences that allocate `grown` new
+        blocks: the prefills in progress first, then admissions from the queue, within the token budget.
+        Decode-side jobs whose KV arrives by transfer are admitted on the way (`take_transfers`)."""
         budget = self.c.max_batched_tokens - n
         # the decode step's own new blocks come first (only prefill chunks compete for them)
-        reserved = self._blocks_over(1) if (self.prefilling or self.waiting) else 0
+        reserved = grown
         self.free_blocks -= reserved
         chunks: list[tuple[Job, int]] = []
         for job in self.prefilling:
@@ -260,39 +330,7 @@ class EngineModel:
             chunks.append((job, c))
             budget -= c
         self.free_blocks += reserved
-        if not chunks and not self.decoding and self.prefilling:
-            # Partial prefills hold all the blocks and none can go on: evict the newest.
-            self._preempt_newest()
-            return self._plan(now)
-        self._chunks = chunks
-        if chunks:
-            self._k = 1
-            finishing = sum(1 for job, c in chunks if job.computed + c >= job.prefill_goal)
-            # each chunk attends to what its job has computed so far (advanced only at end_step)
-            pairs = sum(attention_pairs(c, job.computed) for job, c in chunks) if self.c.prefill_attention_s else 0.0
-            self._dur = self.c.step_s(sum(c for _, c in chunks), n, pairs) + self.c.prefill_overhead_s * finishing
-        elif n:
-            while self._fin and self._fin[0][3].epoch != self._fin[0][2]:
-                heapq.heappop(self._fin)
-            k_fin = max(1, self._fin[0][0] - self.step)
-            k = k_fin
-            if self._blocks_over(k) > self.free_blocks:
-                lo, hi = 1, k  # largest k whose allocations fit (k=1 fits: preemption above)
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if self._blocks_over(mid) <= self.free_blocks:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                k = lo
-            self._k = k
-            self._dur = self.c.step_s(0, n)
-        else:
-            self.busy = False
-            return None
-        self.busy = True
-        self._start = now
-        return now + self._k * self._dur
+        return chunks
 
     def _grant(self, job: Job, budget: int) -> int:
         """Allocate blocks for the next prefill chunk of `job`; the chunk size, 0 if none fit."""
@@ -310,18 +348,21 @@ class EngineModel:
 
     def end_step(self, now: float) -> StepOutcome:
         """The step in flight ended at `now`: advance state; returns what happened since the last call."""
-        out = StepOutcome()
+        out = None  # made for the first job that prefilled or finished: most steps have none
         self.version += 1
         k = self._k
-        grown = self._blocks_over(k)
+        planned_k, grown = self._grown
+        if planned_k != k:
+            grown = self._blocks_over(k)
         self.free_blocks -= grown
         self.step += k
         self.steps_run += k
-        first_step_end = self._start + self._dur
-        for job in self._joined:
-            if job.state is JobState.DECODING and job.t_first is None:
-                job.t_first = first_step_end
-        self._joined.clear()
+        if self._joined:
+            first_step_end = self._start + self._dur
+            for job in self._joined:
+                if job.state is JobState.DECODING and job.t_first is None:
+                    job.t_first = first_step_end
+            self._joined.clear()
         for job, c in self._chunks:
             job.computed += c
             job.kvlen += c
@@ -331,6 +372,8 @@ class EngineModel:
             job.generated += 1
             if job.t_first is None:
                 job.t_first = now
+            if out is None:
+                out = StepOutcome()
             if job.prefill_only:
                 job.state = JobState.HOLDING
                 job.t_last = now
@@ -340,16 +383,19 @@ class EngineModel:
                 self._finish(job, now, out)
             else:
                 self._join(job, generated=job.generated)
-        self._chunks = []
+        if self._chunks:
+            self._chunks = []
         while self._fin and self._fin[0][0] <= self.step:
             _, _, epoch, job = heapq.heappop(self._fin)
             if job.epoch != epoch or job.state is not JobState.DECODING:
                 continue
             self._leave_decoding(job)
+            if out is None:
+                out = StepOutcome()
             self._finish(job, now, out)
         # blocks grown by sequences that just left are already counted in their kvlen
         self.busy = False
-        return out
+        return _QUIET_STEP if out is None else out
 
     def _join(self, job: Job, generated: int) -> None:
         job.state = JobState.DECODING

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagg.core.cost_model import CostModel
-from disagg.core.types import InstanceView, PrefixLookup, Role
+from disagg.core.types import InstanceView, PrefixLookup, Role, quick_init
 
 
 @dataclass(slots=True)
@@ -44,6 +44,7 @@ class _Totals:
     view_poll: PolledState | None = None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class PolledState:
     """What an engine last reported (see the engine's `state()` call).

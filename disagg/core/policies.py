@@ -531,23 +531,24 @@ class MarginalCost(Policy):
         prm, cm, p = self.params, self.cost_model, req.prompt_tokens
         wb, ws, wq, rho = prm.w_backlog * sigma, prm.w_service * sigma, prm.w_queue_s, prm.rho
         if cm.instances:
-            works = [cm.for_instance(v.instance_id).prefill_s(p) for v in pool]
+            totals = [wb * v.backlog_s + ws * cm.for_instance(v.instance_id).prefill_s(p)
+                      * (1.0 + rho * ((v.kv_used_tokens + p) / v.kv_capacity_tokens)) + wq * v.queued for v in pool]
         else:
-            works = [cm.engine.prefill_s(p)] * len(pool)
-        totals = [wb * v.backlog_s + ws * work * (1.0 + rho * ((v.kv_used_tokens + p) / v.kv_capacity_tokens))
-                  + wq * v.queued for v, work in zip(pool, works)]
+            work = cm.engine.prefill_s(p)
+            totals = [wb * v.backlog_s + ws * work * (1.0 + rho * ((v.kv_used_tokens + p) / v.kv_capacity_tokens))
+                      + wq * v.queued for v in pool]
         return self._tie.pick(pool, totals)
 
     def _argmin_decode(self, pool, req, sigma, out):
         prm, cm, extra = self.params, self.cost_model, req.prompt_tokens + out
         wb, ws, wq, rho = prm.w_backlog * sigma, prm.w_service * sigma * out, prm.w_queue_s, prm.rho
         if cm.instances:
-            taus = [cm.for_instance(v.instance_id).decode_token_s(v.queued + 1) for v in pool]
+            totals = [wb * v.backlog_s + ws * cm.for_instance(v.instance_id).decode_token_s(v.queued + 1)
+                      * (1.0 + rho * ((v.kv_used_tokens + extra) / v.kv_capacity_tokens)) + wq * v.queued for v in pool]
         else:
             tau = cm.engine.decode_token_s
-            taus = [tau(v.queued + 1) for v in pool]
-        totals = [wb * v.backlog_s + ws * tau_dec * (1.0 + rho * ((v.kv_used_tokens + extra) / v.kv_capacity_tokens))
-                  + wq * v.queued for v, tau_dec in zip(pool, taus)]
+            totals = [wb * v.backlog_s + ws * tau(v.queued + 1)
+                      * (1.0 + rho * ((v.kv_used_tokens + extra) / v.kv_capacity_tokens)) + wq * v.queued for v in pool]
         return self._tie.pick(pool, totals)
 
 

@@ -8,7 +8,41 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TypeVar
+
+_R = TypeVar("_R")
+
+
+def quick_init(cls: type[_R]) -> type[_R]:
+    """Class decorator, above `@dataclass(frozen=True, slots=True)`: an `__init__` that sets each slot
+    through the slot's own descriptor.
+
+    A frozen dataclass's generated `__init__` goes through `object.__setattr__` for every field, about
+    twice the cost; these records are built several times per routed request, by the live router and
+    the simulator alike. Same signature, defaults and default factories as the generated one, and the
+    instance is as frozen (assigning to it afterwards raises)."""
+    env: dict = {"_FACTORY": object()}  # stands for "not given" where a field has a default factory
+    params, sets = [], []
+    if hasattr(cls, "__post_init__") or any(not f.init or f.kw_only for f in fields(cls)):
+        raise TypeError(f"quick_init: {cls.__name__} needs the dataclass's own __init__")
+    for f in fields(cls):
+        name, value = f.name, f.name
+        env[f"_set_{name}"] = cls.__dict__[name].__set__  # the slot's member descriptor
+        if f.default is not MISSING:
+            env[f"_default_{name}"] = f.default
+            params.append(f"{name}=_default_{name}")
+        elif f.default_factory is not MISSING:
+            env[f"_factory_{name}"] = f.default_factory
+            params.append(f"{name}=_FACTORY")
+            value = f"_factory_{name}() if {name} is _FACTORY else {name}"
+        else:
+            params.append(name)
+        sets.append(f"    _set_{name}(self, {value})\n")
+    exec(f"def __init__(self, {', '.join(params)}):\n{''.join(sets)}", env)
+    env["__init__"].__qualname__ = f"{cls.__qualname__}.__init__"
+    cls.__init__ = env["__init__"]
+    return cls
 
 
 class Role(enum.Enum):
@@ -17,6 +51,10 @@ class Role(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     BOTH = "both"  # colocated: prefills and decodes on one engine
+
+    # members are singletons, so identity hashing is exact; Enum's own `__hash__` hashes the name in
+    # Python code, on every dict lookup keyed by a member
+    __hash__ = object.__hash__
 
     def serves_prefill(self) -> bool:
         return self is not Role.DECODE
@@ -31,6 +69,8 @@ class SloClass(enum.Enum):
     TIGHT = "tight"
     LOOSE = "loose"
 
+    __hash__ = object.__hash__  # as `Role`'s: the SLO class keys the targets, weights and predictor buckets
+
     @classmethod
     def parse(cls, value: str) -> "SloClass":
         try:
@@ -43,6 +83,7 @@ class SloClass(enum.Enum):
 PREFIX_BLOCK_TOKENS = 512  # tokens per prefix-hash block in traces: the Mooncake `hash_ids` convention
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class RequestFeatures:
     """What the router knows of a request at admission time.
@@ -68,6 +109,7 @@ class RequestFeatures:
 PrefixLookup = Callable[[tuple[int, ...]], int]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class InstanceView:
     """What the router knows of one engine instance at decision time."""
@@ -93,6 +135,7 @@ class InstanceView:
         return self.prefix_lookup(prefix_hashes)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class CostTerms:
     """Per-term breakdown of one candidate's price, in seconds (weights already applied)."""
@@ -120,6 +163,7 @@ class CostTerms:
         }
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Decision:
     """A routing choice with its explanation.

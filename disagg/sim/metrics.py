@@ -12,9 +12,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
-from disagg.core.types import SloClass
+from disagg.core.types import SloClass, quick_init
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
     request_id: str

@@ -225,6 +225,7 @@ class Simulator:
         self._polled = [{iid: self._poll_one(iid, k) for iid in self.engines} for k in range(routers)]
         self._tick_seen = [dict.fromkeys(self.engines, self._tick(k, 0.0)) for k in range(routers)]
         self._polled_version = [{iid: self._version(iid) for iid in self.engines} for _ in range(routers)]
+        self._polled_free = {iid: e.free_blocks for iid, e in self.engines.items()}  # the single router's snapshots'
         self._heap: list = []
         self._seq = 0
         self._step_epoch: dict[str, int] = {iid: 0 for iid in self.engines}
@@ -276,9 +277,11 @@ class Simulator:
     def _take_poll(self, iid: str, tick: int) -> None:
         """The single router's poll of `iid` at `tick`, not taken yet (`_refresh`)."""
         self._tick_seen[0][iid] = tick
-        version = self.engines[iid].version
-        if version != self._polled_version[0][iid]:  # unchanged engine: same snapshot
-            self._polled_version[0][iid] = version
+        # a poll shows the KV use alone (`_poll_one`): while the engine's free blocks are what they were
+        # at the last snapshot, it is kept, and so are the ledger's views made of it
+        free = self.engines[iid].free_blocks
+        if free != self._polled_free[iid]:
+            self._polled_free[iid] = free
             self._polled[0][iid] = self._poll_one(iid, 0)
         self.ledger.polled(iid)
 
@@ -300,14 +303,14 @@ class Simulator:
             self._push(now + xfer, _TRANSFER, ("kv", f))
 
     def _poll_one(self, iid: str, k: int) -> PolledState:
-        """What router k's poll of `iid` reads: the engine's state, and the other routers' totals
-        from the engine's ledger of received calls."""
+        """What router k's poll of `iid` reads: the engine's KV use, and the other routers' totals
+        from the engine's ledger of received calls. Not its running and waiting counts, which the
+        live engines report too: no view is made of them."""
         e = self.engines[iid]
         if self.routers == 1 or not self.others_totals:
-            return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens, e.running, e.num_waiting)
+            return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens)
         work, calls = others(self.received[iid].totals(), self.router_ids[k])
-        return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens, e.running, e.num_waiting,
-                           others_backlog_s=work, others_queued=calls)
+        return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens, others_backlog_s=work, others_queued=calls)
 
     def _call_arrived(self, iid: str, k: int, work_s: float) -> None:
         """A call of router k, carrying its priced work, reached engine `iid`."""
@@ -381,6 +384,9 @@ class Simulator:
         perf = time.perf_counter
         heap = self._heap
         awaiting_prefill = self._awaiting_prefill
+        # the loop's most used attributes, as locals (bound methods included: one lookup per run)
+        engines, step_epoch, ledgers, predictors = self.engines, self._step_epoch, self.ledgers, self.predictors
+        refresh, poke = self._refresh, self._poke
         fleet, signals, control = self.fleet, self.signals, self._control
         if self.scaler is not None and self.scaler.interval_s is not None:
             self._push_control(self.scaler.interval_s, _TICK, ("tick",))
@@ -399,10 +405,10 @@ class Simulator:
                 a += 1
             if kind == "step":
                 _, iid, epoch = ev
-                if epoch != self._step_epoch[iid]:
+                if epoch != step_epoch[iid]:
                     continue
-                engine = self.engines[iid]
-                self._refresh(iid, now)
+                engine = engines[iid]
+                refresh(iid, now)
                 out = engine.end_step(now)
                 if awaiting_prefill[iid]:
                     self._cache_colocated_prefills(iid)
@@ -416,18 +422,18 @@ class Simulator:
                     self._call_ended(iid, f.router, f.prefill_work_s)  # the prefill call returns
                     dj = Job(f.rid, f.req.prompt_tokens, f.req.output_tokens, remote_kv=True, payload=f)
                     f.decode_job = dj
-                    self._refresh(f.decode_id, now)
+                    refresh(f.decode_id, now)
                     self._call_arrived(f.decode_id, f.router, f.decode_work_s)  # the decode call arrives
                     if self.peer_notify_s is not None:
                         self._notify_peers(f.router, f.decode_id, f.decode_work_s, now)
-                    self.engines[f.decode_id].submit(dj)
-                    self._poke(f.decode_id, now)
+                    engines[f.decode_id].submit(dj)
+                    poke(f.decode_id, now)
                 for job in out.finished:
                     f = job.payload
                     colocated_work = f.prefill_work_s if f.prefill_id == f.decode_id else 0.0
                     self._call_ended(iid, f.router, f.decode_work_s + colocated_work)
-                    self.ledgers[f.router].finish(f.rid)
-                    self.predictors[f.router].observe(f.req.prompt_tokens, f.slo, f.req.output_tokens)
+                    ledgers[f.router].finish(f.rid)
+                    predictors[f.router].observe(f.req.prompt_tokens, f.slo, f.req.output_tokens)
                     instance_tokens[f.decode_id] += f.req.output_tokens
                     if f.prefill_id != f.decode_id:
                         instance_tokens[f.prefill_id] += f.req.prompt_tokens
@@ -441,20 +447,20 @@ class Simulator:
                         fleet.done(f.decode_id, now)
                     if progress:
                         progress(1)
-                self._poke(iid, now)
+                poke(iid, now)
             elif kind == "kv":
                 f = ev[1]
-                self._refresh(f.prefill_id, now)
-                self._refresh(f.decode_id, now)
-                self.engines[f.prefill_id].release(f.prefill_job)
+                refresh(f.prefill_id, now)
+                refresh(f.decode_id, now)
+                engines[f.prefill_id].release(f.prefill_job)
                 if fleet is not None:  # the prefill instance holds no more of it
                     fleet.done(f.prefill_id, now)
-                self.ledgers[f.router].prefill_done(f.rid)
-                self.engines[f.decode_id].kv_arrived(f.decode_job)
+                ledgers[f.router].prefill_done(f.rid)
+                engines[f.decode_id].kv_arrived(f.decode_job)
                 if f.req.prefix_hashes:
                     self._cache_prompt(f.decode_id, f.req)
-                self._poke(f.decode_id, now)
-                self._poke(f.prefill_id, now)
+                poke(f.decode_id, now)
+                poke(f.prefill_id, now)
             else:  # arrival of trace[i], at router i mod K
                 r = trace[i]
                 k = i % self.routers
@@ -462,8 +468,9 @@ class Simulator:
                 slo = r.slo_class or default_slo
                 if signals is not None:
                     signals.arrived(r.prompt_tokens, slo)
-                predicted = self.predictors[k].predict(r.prompt_tokens, slo)
-                feats = RequestFeatures(f"r{i}", r.prompt_tokens, predicted, slo, r.output_tokens, r.prefix_hashes)
+                predicted = predictors[k].predict(r.prompt_tokens, slo)
+                rid = f"r{i}"
+                feats = RequestFeatures(rid, r.prompt_tokens, predicted, slo, r.output_tokens, r.prefix_hashes)
                 pv, dv = self._views(self.prefill_ids, now, k), self._views(self.decode_ids, now, k)
                 if r.prefix_hashes:  # only then: a request without hashes is decided exactly as before
                     pv, dv = self._with_prefix_lookup(pv), self._with_prefix_lookup(dv)
@@ -475,11 +482,11 @@ class Simulator:
                     else:
                         d = policy.choose(feats, pv, dv, now)
                 except NoCapacity as e:
-                    records.append(RequestRecord.failure(f"r{i}", r, slo, now, str(e)))
+                    records.append(RequestRecord.failure(rid, r, slo, now, str(e)))
                     if progress:
                         progress(1)
                     continue
-                f = _Flight(r, f"r{i}", slo, predicted, d.prefill_id, d.decode_id, router=k)
+                f = _Flight(r, rid, slo, predicted, d.prefill_id, d.decode_id, router=k)
                 self._admit(f, now)
         extra = {}
         if fleet is not None:
