@@ -134,6 +134,7 @@ class LiveCalibrator:
             for pt in rotated(tuple(points), r * max(1, len(points) // p.rounds)):
                 seen[pt].append(await self._probe(instance, pt[0], pt[1]))
                 progress(1)
+
         def fitted(kind: str) -> list[Sample]:
             return [Sample(n, x) for (k, n, held), xs in seen.items() if k == kind and not held for x in xs]
 
@@ -155,23 +156,20 @@ async def calibrate_fleet(url: str, model: str | None, quick: bool, pause_s: flo
 
     t0 = time.monotonic()
     async with make_client(url, timeout_s=PROBE_TIMEOUT_S, max_connections=1) as client:
-        async def get_state() -> dict:
+        async def call(method: str, path: str, body: dict | None = None) -> dict:
             try:
-                r = await client.get("/admin/state")
+                r = await client.request(method, path, json=body)
             except httpx.HTTPError as e:
-                raise LiveCalibrationError(f"{url}/admin/state: {type(e).__name__}: {e}") from None
+                raise LiveCalibrationError(f"{url}{path}: {type(e).__name__}: {e}") from None
             if r.status_code != 200:
-                raise LiveCalibrationError(f"{url}/admin/state answered {r.status_code}: {r.text[:300]}")
+                raise LiveCalibrationError(f"{url}{path} {body or ''} answered {r.status_code}: {r.text[:300]}")
             return r.json()
 
+        async def get_state() -> dict:
+            return await call("GET", "/admin/state")
+
         async def post(body: dict) -> dict:
-            try:
-                r = await client.post("/admin/probe", json=body)
-            except httpx.HTTPError as e:
-                raise LiveCalibrationError(f"{url}/admin/probe: {type(e).__name__}: {e}") from None
-            if r.status_code != 200:
-                raise LiveCalibrationError(f"{url}/admin/probe {body} answered {r.status_code}: {r.text[:300]}")
-            return r.json()
+            return await call("POST", "/admin/probe", body)
 
         fleet = Fleet.from_state(await get_state(), model)
         plan = LivePlan.for_context(fleet.max_model_len, fleet.max_num_seqs, quick)

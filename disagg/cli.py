@@ -344,7 +344,7 @@ def _apply_cost_model(url: str, path: Path, model: str) -> None:
     """Have every router replica reload the file it was just written to (`POST /admin/cost_model`)."""
     import httpx
 
-    from disagg.bench.loadgen import AppAuth
+    from disagg.bench.loadgen import AppAuth, error_message
 
     try:
         r = httpx.post(f"{url}/admin/cost_model", json={"cost_model": str(path.resolve()), "model": model},
@@ -352,11 +352,7 @@ def _apply_cost_model(url: str, path: Path, model: str) -> None:
     except httpx.HTTPError as e:
         raise UsageError(f"wrote {path}, but could not apply it: {type(e).__name__}: {e}") from None
     if r.status_code != 200:
-        try:
-            why = r.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            why = r.text[:300]
-        raise UsageError(f"wrote {path}, but the router refused to load it ({r.status_code}): {why}")
+        raise UsageError(f"wrote {path}, but the router refused to load it ({r.status_code}): {error_message(r)}")
     print(f"applied: router replicas {', '.join(r.json().get('routers', []))} price with {path} now")
 
 

@@ -87,8 +87,8 @@ from typing import Any, Callable, Sequence
 import httpx
 
 from disagg.bench.loadgen import (
-    ClientResult, ClientShards, PlannedRequest, event_loop_runner, prompt_seed, realtime_priority, run_open_loop,
-    send_one,
+    ClientResult, ClientShards, PlannedRequest, error_message, event_loop_runner, prompt_seed, realtime_priority,
+    run_open_loop, send_one,
 )
 from disagg.core.cost_model import CostModel, load_profile
 from disagg.core.policies import known_policies, policy_class
@@ -521,11 +521,7 @@ async def probe_target(client: httpx.AsyncClient, url: str) -> Target:
 async def set_policy(client: httpx.AsyncClient, name: str) -> None:
     r = await client.post("/admin/policy", json={"name": name, "params": {}}, timeout=30.0)
     if r.status_code != 200:
-        try:
-            msg = r.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            msg = r.text[:300]
-        raise BenchError(f"the app refused policy {name!r} ({r.status_code}): {msg}")
+        raise BenchError(f"the app refused policy {name!r} ({r.status_code}): {error_message(r)}")
 
 
 async def reset_prefix_cache(client: httpx.AsyncClient) -> None:

@@ -171,6 +171,14 @@ class AppAuth(httpx.Auth):
         yield request
 
 
+def error_message(r: httpx.Response) -> str:
+    """The message of an OpenAI-shaped error answer, else the start of its body."""
+    try:
+        return r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return r.text[:300]
+
+
 def make_client(base_url: str, *, timeout_s: float, max_connections: int) -> httpx.AsyncClient:
     """One pooled client; `trust_env=False` keeps proxy variables out of the way (all traffic goes
     to the app under test). HTTP/1.1 holds one stream per connection. Credentials: `AppAuth`."""
