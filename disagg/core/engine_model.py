@@ -92,10 +92,11 @@ _NO_CHUNKS: tuple[()] = ()  # the prefill chunks of a step that only decodes
 class StepOutcome:
     prefilled: list[Job] = field(default_factory=list)  # prefill-only jobs now HOLDING
     finished: list[Job] = field(default_factory=list)  # jobs whose last token is out
+    started: list[Job] = field(default_factory=list)  # whole jobs whose own prefill gave their first token
 
 
 # what a step in which no job prefilled or finished returns: one shared outcome, read only
-_QUIET_STEP = StepOutcome((), ())
+_QUIET_STEP = StepOutcome((), (), ())
 
 
 class EngineModel:
@@ -370,10 +371,12 @@ class EngineModel:
                 continue
             self.prefilling.remove(job)
             job.generated += 1
-            if job.t_first is None:
-                job.t_first = now
             if out is None:
                 out = StepOutcome()
+            if job.t_first is None:
+                job.t_first = now
+                if not job.prefill_only:
+                    out.started.append(job)
             if job.prefill_only:
                 job.state = JobState.HOLDING
                 job.t_last = now

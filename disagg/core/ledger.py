@@ -38,6 +38,10 @@ class _Totals:
     backlog_s: float = 0.0
     queued: int = 0
     kv_since_poll: int = 0  # prompt tokens admitted after the last poll
+    # requests served whole here (prefill and decode on one instance), and their decode work: on a
+    # prefill instance that work runs beside the prefills rather than ahead of them
+    hosted: int = 0
+    hosted_decode_s: float = 0.0
     # the last view made of these totals and the poll it merged: every change of the totals drops it,
     # so while neither changes `view` hands out the same (frozen) view instead of building another
     view: InstanceView | None = None
@@ -99,6 +103,9 @@ class Ledger:
             d.queued += 1
             d.kv_since_poll += prompt_tokens
             d.view = None
+        else:
+            d.hosted += 1
+            d.hosted_decode_s += decode_work_s
         d.backlog_s += decode_work_s
 
     def prefill_done(self, request_id: str) -> None:
@@ -122,6 +129,9 @@ class Ledger:
         d = self._t(e.decode_id)
         d.backlog_s = max(0.0, d.backlog_s - e.decode_work_s)
         d.queued -= 1
+        if e.prefill_id == e.decode_id:
+            d.hosted -= 1
+            d.hosted_decode_s = max(0.0, d.hosted_decode_s - e.decode_work_s) if d.hosted else 0.0
         d.view = None
 
     def forget_instance(self, instance_id: str) -> list[str]:
@@ -155,13 +165,18 @@ class Ledger:
         v = t.view
         if v is not None and t.view_poll is polled and v.role is role and v.prefix_lookup is prefix_lookup:
             return v
+        backlog, hosted = t.backlog_s, 0
+        if role is Role.PREFILL and t.hosted:
+            # the queue a prefill waits behind: the decodes hosted here run beside it, not ahead of it
+            backlog, hosted = max(0.0, backlog - t.hosted_decode_s), t.hosted
         t.view, t.view_poll = InstanceView(
             instance_id, role,
-            t.backlog_s + polled.others_backlog_s,  # backlog_s
+            backlog + polled.others_backlog_s,  # backlog_s
             t.queued + polled.others_queued,  # queued
             polled.kv_used_tokens + t.kv_since_poll,  # kv_used_tokens
             polled.kv_capacity_tokens,
             prefix_lookup,
+            hosted,
         ), polled
         return t.view
 

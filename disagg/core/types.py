@@ -123,6 +123,9 @@ class InstanceView:
     # The instance's prefix cache, as the simulator knows it or the live router's index estimates
     # it: None means unknown, and every prefix then counts as uncached.
     prefix_lookup: PrefixLookup | None = None
+    # requests this instance serves whole (prefill and decode) although its role is PREFILL: the
+    # router's own, from its ledger; its `backlog_s` then counts only their prefill work
+    hosted: int = 0
 
     def pressure_after(self, extra_tokens: int) -> float:
         """KV-cache pressure after admitting `extra_tokens` more (may exceed 1.0)."""

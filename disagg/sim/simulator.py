@@ -139,6 +139,7 @@ class _Flight:
     router: int = 0
     prefill_work_s: float = 0.0  # priced at admission; the calls carry it to the engines' ledgers
     decode_work_s: float = 0.0
+    call_work_s: float = 0.0  # what the call serving its last token carries to that engine's ledger
 
 
 @dataclass(slots=True)
@@ -412,6 +413,10 @@ class Simulator:
                 out = engine.end_step(now)
                 if awaiting_prefill[iid]:
                     self._cache_colocated_prefills(iid)
+                if out.started and self.roles[iid] is Role.PREFILL:
+                    for job in out.started:  # a hosted request's prefill is done: only its decode is left here
+                        f = job.payload
+                        ledgers[f.router].prefill_done(f.rid)
                 for job in out.prefilled:
                     f: _Flight = job.payload
                     if f.req.prefix_hashes:
@@ -430,8 +435,7 @@ class Simulator:
                     poke(f.decode_id, now)
                 for job in out.finished:
                     f = job.payload
-                    colocated_work = f.prefill_work_s if f.prefill_id == f.decode_id else 0.0
-                    self._call_ended(iid, f.router, f.decode_work_s + colocated_work)
+                    self._call_ended(iid, f.router, f.call_work_s)
                     ledgers[f.router].finish(f.rid)
                     predictors[f.router].observe(f.req.prompt_tokens, f.slo, f.req.output_tokens)
                     instance_tokens[f.decode_id] += f.req.output_tokens
@@ -442,7 +446,7 @@ class Simulator:
                     rec = self._record(f, job, now)
                     records.append(rec)
                     if fleet is not None:
-                        signals.ongoing(Role.DECODE, -1, now)
+                        signals.ongoing(self.roles[f.decode_id], -1, now)
                         signals.served(rec, self.cm.target(f.slo), self.cm.engine)
                         fleet.done(f.decode_id, now)
                     if progress:
@@ -517,21 +521,28 @@ class Simulator:
             self.fleet.assign(f.decode_id)
             if f.prefill_id != f.decode_id:
                 self.fleet.assign(f.prefill_id)
-            # ongoing from the call: on the prefill pool, or on the decode pool for a colocated request
-            self.signals.ongoing(Role.DECODE if f.prefill_id == f.decode_id else Role.PREFILL, 1, now)
+            # ongoing from the call: on the prefill pool, or on the pool of the instance serving a colocated request
+            self.signals.ongoing(self.roles[f.decode_id] if f.prefill_id == f.decode_id else Role.PREFILL, 1, now)
         # the call reaches its engine now (its poll was taken in _views, at this same time)
+        colocated = f.prefill_id == f.decode_id
+        if colocated:
+            # the work the serving engine counts for the call: a prefill instance hosting the whole
+            # request reports only its prefill (the decode runs beside its prefills, not ahead of them)
+            f.call_work_s = prefill_work + (decode_work if self.roles[f.decode_id] is not Role.PREFILL else 0.0)
+        else:
+            f.call_work_s = decode_work
         if self.peer_notify_s is not None:
-            if f.prefill_id == f.decode_id:
-                self._notify_peers(f.router, f.decode_id, prefill_work + decode_work, now)
+            if colocated:
+                self._notify_peers(f.router, f.decode_id, f.call_work_s, now)
             else:
                 self._notify_peers(f.router, f.prefill_id, prefill_work, now)
-        if f.prefill_id == f.decode_id:
+        if colocated:
             job = Job(f.rid, r.prompt_tokens, r.output_tokens, payload=f)
             f.decode_job = job
             if r.prefix_hashes:
                 self._start_from_cache(job, f.decode_id, r.prefix_hashes)
                 self._awaiting_prefill[f.decode_id].append(f)
-            self._call_arrived(f.decode_id, f.router, prefill_work + decode_work)
+            self._call_arrived(f.decode_id, f.router, f.call_work_s)
             self.engines[f.decode_id].submit(job)
             self._poke(f.decode_id, now)
         else:
@@ -584,7 +595,7 @@ class Simulator:
         # the constructor, not dataclasses.replace (3× slower); a test checks that no field is lost
         lookups = self._prefix_lookups
         return [InstanceView(v.instance_id, v.role, v.backlog_s, v.queued, v.kv_used_tokens, v.kv_capacity_tokens,
-                             lookups[v.instance_id]) for v in views]
+                             lookups[v.instance_id], v.hosted) for v in views]
 
     def _start_from_cache(self, job: Job, iid: str, hashes: tuple[int, ...]) -> None:
         """The job's prompt blocks cached on `iid` are not prefilled again: it starts with their KV

@@ -42,10 +42,13 @@ class ReferenceSloGoodput(SloGoodput):
         ends = []
         for p in prefill_ok:
             q = self._prefill_queue_s(p, now)
-            work = cm.for_instance(p.instance_id).prefill_s(prompt - _cached_tokens(p, req))
-            ends.append((q + work, q, work, p))
-        if ends and not cm.pairs:
-            ends = [min(ends, key=lambda e: e[0])]
+            cached = _cached_tokens(p, req)
+            work = cm.for_instance(p.instance_id).prefill_s(prompt - cached, cached)
+            ends.append((q + work, q, work, p, self._stall(p, work, out, now, spread)))
+        all_ends = ends
+        if ends and not cm.pairs:  # the earliest end, and each later one that stalls fewer hosted decodes
+            ordered = sorted(ends, key=lambda e: e[0])
+            ends = [e for j, e in enumerate(ordered) if all(e[4] < f[4] for f in ordered[:j])]
         best = None
         for d in decode_ok:
             ec = cm.for_instance(d.instance_id)
@@ -57,7 +60,7 @@ class ReferenceSloGoodput(SloGoodput):
             tau_after = ec.decode_token_s(b + 1)
             before = _miss(ec.decode_token_s(b) + pending / out, tpot_others, spread) if b else 0.0
             step = ec.step_s(0, b + 1)
-            for end, q, work, p in ends:
+            for end, q, work, p, stall in ends:
                 xfer = cm.transfer_s(p.instance_id, d.instance_id, prompt - held)
                 arrive = end + xfer
                 first = ec.step_s(ec.max_batched_tokens - b - 1, b + 1) if pending > arrive else step
@@ -67,7 +70,7 @@ class ReferenceSloGoodput(SloGoodput):
                 tpot = tau_after + max(0.0, pending - arrive) / out
                 after = _miss(tau_after + pending / out, tpot_others, spread) if b else 0.0
                 meet = (1.0 - _miss(ttft, ttft_t, spread)) * (1.0 - _miss(tpot, tpot_t, spread)) * ok_kv
-                cost = 1.0 - meet + b * (after - before) + w * ttft / ttft_t
+                cost = 1.0 - meet + b * (after - before) + w * ttft / ttft_t + stall
                 if best is None or cost < best[0]:
                     best = (cost, p, d, q, work, xfer, first, tpot, press)
             if prm.allow_colocated:
@@ -81,10 +84,26 @@ class ReferenceSloGoodput(SloGoodput):
                 cost = 2.0 - meet - ok_kv + b * (after - before) + w * (ttft + (1 + b) * work) / ttft_t
                 if best is None or cost < best[0]:
                     best = (cost, d, d, pending, work, 0.0, 0.0, tau_after, press)
+        for end, q, work, p, _ in all_ends if prm.allow_hosted else ():
+            if p.role is not Role.PREFILL:
+                continue
+            ec, h = cm.for_instance(p.instance_id), p.hosted
+            ttft = end + overhead
+            share = 1.0 - self._utilization(p.instance_id, now)
+            tpot = ec.decode_token_s(h + 1) / share
+            press = p.pressure_after(prompt + out + h * out // 2)
+            ok_kv = 1.0 - _miss(press, 1.0, spread)
+            harm = h * (_miss(tpot + work / out, tpot_others, spread)
+                        - _miss(ec.decode_token_s(h) / share, tpot_others, spread)) if h else 0.0
+            meet = (1.0 - _miss(ttft, ttft_t, spread)) * (1.0 - _miss(tpot, tpot_t, spread)) * ok_kv
+            cost = 2.0 - meet - ok_kv + harm + w * (ttft + h * work + out * ec.decode_seq_s) / ttft_t
+            if best is None or cost < best[0]:
+                best = (cost, p, p, q, work, 0.0, 0.0, tpot, press)
         _, p, d, q, work, xfer, first, tpot, press = best
-        if p is d:
+        if p is d and p.role is not Role.PREFILL:
             self._colocated_ends[d.instance_id] = now + q + work
         else:
+            self._add_prefill(p.instance_id, work, now)
             overpriced = cm.for_instance(p.instance_id).prefill_s(prompt) - work
             if overpriced > 0.0:
                 heapq.heappush(self._overpriced.setdefault(p.instance_id, []), (now + q + work, overpriced))
@@ -161,14 +180,15 @@ def _pool(rng: random.Random, role: Role, n: int, cap: int, hashes: tuple[int, .
         if views and rng.random() < 0.15:  # an exact copy under another id: a tie
             v = views[-1]
             views.append(InstanceView(f"{prefix}{i}", role, v.backlog_s, v.queued, v.kv_used_tokens,
-                                      v.kv_capacity_tokens, v.prefix_lookup))
+                                      v.kv_capacity_tokens, v.prefix_lookup, v.hosted))
             continue
         backlog = rng.choice([0.0, shared_backlog, rng.uniform(0.0, 0.3), rng.uniform(0.0, 2.0), rng.uniform(0, 8)])
         queued = rng.choice([0, 0, 1, rng.randint(0, 8), rng.randint(0, 60)])
         capacity = rng.choice([cap, cap, cap // 4, 600])
         used = rng.choice([0, rng.randint(0, capacity), rng.randint(0, 2 * capacity)])
         lookup = _holding(rng.randint(0, len(hashes)), hashes) if hashes and rng.random() < 0.7 else None
-        views.append(InstanceView(f"{prefix}{i}", role, backlog, queued, used, capacity, lookup))
+        hosted = rng.choice([0, 0, queued, rng.randint(0, queued)]) if role is Role.PREFILL else 0
+        views.append(InstanceView(f"{prefix}{i}", role, backlog, queued, used, capacity, lookup, hosted))
     return views
 
 
@@ -205,7 +225,9 @@ def _run_pair(fast, slow, rng: random.Random, decisions: int, max_p: int, max_d:
 
 
 @pytest.mark.parametrize("cm_name", sorted(CMS))
-@pytest.mark.parametrize("params", [{}, {"allow_colocated": False}, {"work_weight": 0.0}, {"work_weight": 1.0},
+@pytest.mark.parametrize("params", [{}, {"allow_colocated": False}, {"allow_hosted": False},
+                                    {"allow_colocated": False, "allow_hosted": False, "utilization_window_s": 0.5},
+                                    {"work_weight": 0.0}, {"work_weight": 1.0},
                                     {"latency_error": 0.02}, {"latency_error": 1.0}])
 def test_slo_goodput_chooses_as_the_exhaustive_reference(cm_name, params):
     cm = CMS[cm_name]
@@ -216,6 +238,7 @@ def test_slo_goodput_chooses_as_the_exhaustive_reference(cm_name, params):
         slow = ReferenceSloGoodput(cm, SloGoodput.Params(**params))
         compared += _run_pair(fast, slow, rng, 40, max_p=6, max_d=12)
         assert fast._colocated_ends == slow._colocated_ends and fast._overpriced == slow._overpriced
+        assert fast._prefill_rate == slow._prefill_rate
     assert compared == 480
 
 

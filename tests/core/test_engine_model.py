@@ -62,6 +62,30 @@ def test_lone_colocated_job_decodes_at_batch_one_step_time():
     assert e.free_blocks == e.total_blocks
 
 
+def test_a_whole_job_is_reported_started_once_when_its_own_prefill_gives_its_first_token():
+    """`StepOutcome.started`: what tells the simulator that a request served whole on an instance
+    has no prefill left there. Never a prefill-only job (it is `prefilled`), never twice (a
+    preempted job recomputes with its first token already out)."""
+    c = consts(kv_capacity_tokens=160)  # 10 blocks: the two jobs cannot both grow to their end
+    e = EngineModel("p", c)
+    whole = [Job("a", prompt=60, target=40), Job("b", prompt=60, target=40)]
+    prefill_only = Job("c", prompt=20, target=1, prefill_only=True)
+    for job in (*whole, prefill_only):
+        e.submit(job)
+    started, now, end = [], 0.0, e.poke(0.0)
+    for _ in range(10_000):
+        if end is None:
+            break
+        now = end
+        out = e.end_step(now)
+        started += out.started
+        for job in out.prefilled:
+            e.release(job)
+        end = e.poke(now)
+    assert e.preemptions > 0 and e.idle()
+    assert sorted(j.rid for j in started) == ["a", "b"]
+
+
 def test_remote_kv_job_first_token_after_one_decode_step():
     e = EngineModel("d", consts())
     job = Job("a", prompt=40, target=3, remote_kv=True)

@@ -76,6 +76,26 @@ def test_colocated_counts_queued_and_prompt_once():
     assert _totals(led, "d0")[:2] == (approx(0.0), 0)
 
 
+def test_a_prefill_instance_hosting_a_request_shows_only_prefill_work_as_its_queue():
+    """Served whole on a prefill instance, a request's decode runs beside that instance's prefills:
+    the prefill view's backlog leaves it out (and counts the hosted request); a decode view of the
+    same totals, and `backlog_s`, keep everything."""
+    led = Ledger()
+    _admit(led, "plain", p="p0", d="d0", pw=0.3, dw=1.0, prompt=50)
+    _admit(led, "hosted", p="p0", d="p0", pw=0.2, dw=1.5, prompt=100)
+    v = led.view("p0", Role.PREFILL, ZERO_POLL)
+    assert (v.backlog_s, v.queued, v.hosted, v.kv_used_tokens) == (approx(0.5), 2, 1, 150)
+    assert led.backlog_s("p0") == approx(2.0)
+    assert led.view("p0", Role.DECODE, ZERO_POLL).hosted == 0
+    led.prefill_done("hosted")  # its first token: nothing of it is left in the prefill queue
+    v = led.view("p0", Role.PREFILL, ZERO_POLL)
+    assert (v.backlog_s, v.queued, v.hosted) == (approx(0.3), 2, 1)
+    led.finish("hosted")
+    v = led.view("p0", Role.PREFILL, ZERO_POLL)
+    assert (v.backlog_s, v.queued, v.hosted) == (approx(0.3), 1, 0)
+    assert led.backlog_s("p0") == approx(0.3)
+
+
 def test_prefill_done_is_idempotent():
     led = Ledger()
     _admit(led, "r1", pw=0.2)

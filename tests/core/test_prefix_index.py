@@ -64,11 +64,15 @@ def test_policies_route_a_shared_prefix_to_the_instance_holding_it():
     req = RequestFeatures("r", len(turn2), 16, prefix_hashes=prompt_block_hashes(turn2, block),
                           prefix_block_tokens=block)
     prefill = [InstanceView("prefill-a", Role.PREFILL, 0.0, 0, 0, 100_000)]
+    # which decode instance wins is the question: `slo_goodput` may not serve the request whole on
+    # the (idle) prefill instance here
+    params = {"prefix_affinity": {}, "slo_goodput": {"allow_hosted": False}}
     for name in ("prefix_affinity", "slo_goodput"):
-        policy = build_policy(name, cm, {})  # fresh each time: round-robin cursors start at decode-a
+        policy = build_policy(name, cm, params[name])  # fresh each time: round-robin cursors start at decode-a
         # decode-a is listed first and equally idle: only the cached prefix can favour decode-b
         d = policy.choose(req, prefill, [_view("decode-a", idx), _view("decode-b", idx)], 0.0)
         assert d.decode_id == "decode-b", name
         cold = RequestFeatures("r", len(turn2), 16)
-        d = build_policy(name, cm, {}).choose(cold, prefill, [_view("decode-a", idx), _view("decode-b", idx)], 0.0)
+        d = build_policy(name, cm, params[name]).choose(cold, prefill, [_view("decode-a", idx), _view("decode-b", idx)],
+                                                        0.0)
         assert d.decode_id == "decode-a", name  # without hashes the cache is invisible

@@ -7,6 +7,7 @@ that prompts of a few 512-token prefix blocks fit the targets: a lone prefill of
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -103,7 +104,7 @@ def test_a_tight_request_avoids_the_decode_instance_where_its_tpot_would_miss(cm
                            transfer={"latency_s": 0.002, "tokens_per_s": 10_000.0})
     prefill = with_caches(make_instances(Role.PREFILL, n=1), [4])
     decode = with_caches(make_instances(Role.DECODE, backlog_s=[0.5, 0.5], queued=[45, 10]), [4, 0])
-    pol = build_policy("slo_goodput", slow, {"allow_colocated": False})
+    pol = build_policy("slo_goodput", slow, {"allow_colocated": False, "allow_hosted": False})
     assert pol.choose(req(1100, SloClass.TIGHT), prefill, decode, now=0.0).decode_id == "d1"
 
 
@@ -164,3 +165,50 @@ def test_the_attention_term_prices_the_uncached_rest_against_the_cached_prefix()
     chunks = -(-464 // ec.max_batched_tokens)
     assert d.prefill_cost.own_work_s == pytest.approx(
         ec.prefill_overhead_s + chunks * ec.step_base_s + ec.prefill_token_s * 464 + 2e-8 * 464 * (1536 + 464 / 2))
+
+
+def test_hosts_on_a_prefill_instance_when_the_decode_pools_kv_is_full(cm):
+    # both decode instances would overflow (9,900 of 10,000 tokens used); the prefill instance's KV is free
+    decode = make_instances(Role.DECODE, backlog_s=[2.0, 2.0], queued=[20, 20], kv_used=[9_900, 9_900])
+    d = build_policy("slo_goodput", cm).choose(req(500, hashes=()), make_instances(Role.PREFILL, n=2), decode, 0.0)
+    assert (d.prefill_id, d.decode_id) == ("p0", "p0")
+    no_hosting = build_policy("slo_goodput", cm, {"allow_hosted": False})
+    assert no_hosting.choose(req(500, hashes=()), make_instances(Role.PREFILL, n=2), decode, 0.0).decode_id in {"d0", "d1"}
+
+
+def test_keeps_prefill_instances_to_prefilling_while_the_decode_pool_has_room(cm):
+    # all idle, everything meets its targets: hosting would save the transfer and a decode step
+    # (0.018 s) but take 100 decode steps of the prefill instance's time (0.1 s)
+    d = build_policy("slo_goodput", cm).choose(req(500, hashes=()), make_instances(Role.PREFILL, n=2),
+                                               make_instances(Role.DECODE, n=2), 0.0)
+    assert d.prefill_id in {"p0", "p1"} and d.decode_id in {"d0", "d1"}
+
+
+def test_a_prefill_keeps_away_from_the_instance_whose_hosted_decodes_it_would_stall(cm):
+    # p0 hosts 38 decodes at τ_dec(38) = 0.048 s, just inside the 0.05 s tight TPOT target: a
+    # 0.07 s prefill there adds 3.5 ms to each of their next 20 tokens. p1 is as idle and hosts none.
+    prefill = make_instances(Role.PREFILL, queued=[38, 0])
+    prefill = [replace(prefill[0], hosted=38), prefill[1]]
+    d = build_policy("slo_goodput", cm).choose(req(500, SloClass.TIGHT, out=20, hashes=()), prefill,
+                                               make_instances(Role.DECODE, n=2), 0.0)
+    assert d.prefill_id == "p1"
+    plain = [replace(prefill[0], hosted=0), prefill[1]]  # the same queue, but nothing decoding there
+    d = build_policy("slo_goodput", cm).choose(req(500, SloClass.TIGHT, out=20, hashes=()), plain,
+                                               make_instances(Role.DECODE, n=2), 0.0)
+    assert d.prefill_id == "p0"
+
+
+def test_a_hosted_decode_gets_the_time_its_instances_prefills_leave(cm):
+    """The hosted TPOT is τ_dec(h + 1)/(1 − u), u being the share of the instance's time the policy's
+    own prefills took over the last `utilization_window_s` (an exponential average)."""
+    decode = make_instances(Role.DECODE, backlog_s=[2.0], queued=[20], kv_used=[9_900])
+    prefill = make_instances(Role.PREFILL, n=1)
+    pol = build_policy("slo_goodput", cm, {"utilization_window_s": 2.0})
+    first = pol.choose(req(2000, out=100, hashes=()), prefill, decode, 0.0)
+    assert (first.prefill_id, first.decode_id) == ("p0", "p0")
+    work = first.prefill_cost.own_work_s
+    assert first.decode_cost.own_work_s == pytest.approx(100 * cm.engine.decode_token_s(1))
+    second = pol.choose(req(2000, out=100, hashes=()), prefill, decode, 1.0)  # the same view: h = 0
+    u = work / 2.0 * math.exp(-1.0 / 2.0)
+    assert second.decode_id == "p0"
+    assert second.decode_cost.own_work_s == pytest.approx(100 * cm.engine.decode_token_s(1) / (1 - u))

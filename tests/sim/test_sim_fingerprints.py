@@ -54,12 +54,12 @@ TRACES = {
 # (trace, topology, policy, routers, peer notice delay) → fingerprint
 CASES = {
     ("mixed_bursty", "2P4D", "marginal_cost", 1, None): "5d15c924c5b56cba",
-    ("mixed_bursty", "2P4D", "slo_goodput", 1, None): "c9526e0cc077e233",
+    ("mixed_bursty", "2P4D", "slo_goodput", 1, None): "9afc599e26792fe3",
     ("mixed_bursty", "2P4D", "pair_cost", 1, None): "16633398322145bf",
     ("mixed_bursty", "2P4D", "round_robin", 1, None): "dec290563b8bd85c",
-    ("multi_turn_chat", "4P3D", "slo_goodput", 1, None): "bb928f838a8eaca9",
+    ("multi_turn_chat", "4P3D", "slo_goodput", 1, None): "3843f6577dc0f73f",
     ("multi_turn_chat", "4P3D", "prefix_affinity", 1, None): "3f6ed883d763b3d8",
-    ("mixed_bursty", "2P4D", "slo_goodput", 3, 0.005): "60d4a210b940e1bc",
+    ("mixed_bursty", "2P4D", "slo_goodput", 3, 0.005): "ceb7453ea13fc5a2",
     ("long_generation", "2P4D", "marginal_cost", 2, None): "eb4f9da17fe6f4a1",
     ("tied_shuffled", "2P4D", "least_loaded", 1, None): "5e31630504fc2c87",
 }

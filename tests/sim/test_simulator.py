@@ -3,8 +3,8 @@
 import pytest
 
 from disagg.core.cost_model import load_profile
-from disagg.core.policies import build_policy, known_policies
-from disagg.core.types import SloClass
+from disagg.core.policies import Policy, build_policy, known_policies
+from disagg.core.types import CostTerms, Decision, SloClass
 from disagg.sim.runner import clamp_to_context, compare, simulate
 from disagg.sim.simulator import Simulator, Topology
 from disagg.sim.traces import TraceRequest
@@ -75,6 +75,49 @@ def test_no_request_lost_or_duplicated_and_tokens_conserved(cm, policy):
     assert len(sim.ledger) == 0  # every admission was finished
     for e in sim.engines.values():
         assert e.idle() and e.free_blocks == e.total_blocks and e.holding == 0
+    assert all(not r.totals() for r in sim.received.values())  # every call the engines counted ended
+
+
+class _HostEverything(Policy):
+    """Serves every request whole on the first prefill instance."""
+
+    name = "host_everything"
+
+    @property
+    def may_host(self) -> bool:
+        return True
+
+    def choose(self, req, prefill, decode, now):
+        return Decision(prefill[0].instance_id, prefill[0].instance_id, self.name, CostTerms(), CostTerms())
+
+
+def test_a_request_hosted_on_a_prefill_instance_runs_there_whole_without_a_transfer(cm):
+    p, o = 500, 20
+    sim = Simulator(cm, Topology(1, 1), _HostEverything(cm))
+    res = sim.run([TraceRequest(0.0, p, o, SloClass.TIGHT)])
+    (rec,) = res.records
+    e = cm.engine
+    assert (rec.prefill_id, rec.decode_id) == ("prefill-0", "prefill-0")
+    assert rec.ttft_s == pytest.approx(e.prefill_s(p), rel=1e-9)  # its own last prefill chunk: no transfer
+    assert rec.tpot_s == pytest.approx(e.step_base_s + e.decode_seq_s, rel=1e-9)
+    assert res.instance_tokens == {"prefill-0": p + o, "decode-0": 0}
+    assert len(sim.ledger) == 0 and not sim.received["prefill-0"].totals()
+
+
+def test_a_prefill_instance_hosting_decodes_shows_only_its_prefills_as_queue(cm):
+    """Once a hosted request has its first token, the router's view of that prefill instance has
+    no work of it left in the backlog, though it still counts it as hosted."""
+    sim = Simulator(cm, Topology(1, 1), _HostEverything(cm))
+    seen = []
+    choose = sim.policy.choose
+
+    def spy(req, prefill, decode, now):
+        seen.append((now, prefill[0].backlog_s, prefill[0].hosted))
+        return choose(req, prefill, decode, now)
+    sim.policy.choose = spy
+    sim.run([TraceRequest(0.0, 500, 400, SloClass.LOOSE), TraceRequest(1.0, 100, 5, SloClass.LOOSE)])
+    assert seen[0] == (0.0, 0.0, 0)
+    assert seen[1] == (1.0, 0.0, 1)  # the first one decodes there (400 tokens take ~4 s); its prefill is done
 
 
 def test_kv_pressure_forces_preemption_but_loses_nothing(cm):
