@@ -400,7 +400,7 @@ class Dispatcher:
     async def _open(self, f: Flight, inst: Instance, call: DecodeCall) -> tuple[Any, DecodeChunk]:
         """Start `call` on `inst`; its response stream and first chunk. An engine's refusal is a 400;
         any other failure propagates (the stream cancelled)."""
-        stream = f.model.decode_stream.decode.remote(call, replica=inst.replica)
+        stream = f.model.streams[inst.role].decode.remote(call, replica=inst.replica)
         try:
             first: DecodeChunk = await stream.__anext__()
         except StopAsyncIteration:
@@ -447,8 +447,11 @@ class Dispatcher:
             inst = self.registry.get(target)
             if inst is None:
                 continue
+            # a prefill engine serving the request whole counts only its prefill as the call's work,
+            # as the ledger's prefill view does: the decode runs beside its prefills, not ahead of them
+            work_s = f.work_s[0] if inst.role is Role.PREFILL else f.work_s[1]
             call = DecodeCall(f"{f.rid}-d{n}", f.prompt_ids, f.sampling, kv if n == 0 else None, self.router_id,
-                              f.work_s[1])
+                              work_s)
             try:
                 f.stream, f.first_chunk = await self._open(f, inst, call)
             except (asyncio.CancelledError, ApiError):

@@ -336,7 +336,9 @@ class VllmEngine:
     """One vLLM `AsyncLLM` with the NixlConnector, driven through prefill / decode / state.
 
     Every engine is configured `kv_both`, so the same class serves as prefill, decode or
-    colocated engine; `spec.role` only decides which calls it accepts.
+    colocated engine; `spec.role` only decides which calls it accepts: a prefill engine takes no
+    `prefill`-and-pull decode (KV from elsewhere) but does serve a request whole, when the router
+    hosts one there; a decode engine takes no `prefill`.
     """
 
     def __init__(self, spec: EngineSpec, *, stat_loggers: Sequence[Any] = ()) -> None:
@@ -493,7 +495,8 @@ class VllmEngine:
         Closing the iterator early (or cancelling the consumer) aborts the request in vLLM.
         Chunks carry per-token logprobs only when `sampling["logprobs"]` is set.
         """
-        if not self.spec.role.serves_decode():
+        # a prefill engine may serve a request whole (the router's `Policy.may_host`), never pull KV
+        if kv_transfer_params is not None and not self.spec.role.serves_decode():
             raise ValueError(f"engine role {self.spec.role.value!r} does not serve decode")
         params = _sampling_params(sampling, kv_transfer_params=kv_transfer_params,
                                   max_tokens=None, stream=True, keep_stop=True)

@@ -16,7 +16,7 @@ under it are tokenized and measured exactly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
@@ -48,12 +48,13 @@ class ServedModel:
     predictor: BucketMeanPredictor
     id_prefix: str  # instance ids: <prefix><role>-<replica>
     prices: ModelPrices | None = None
-    decode_stream: Any = None  # the decoding pool's handle in streaming mode
+    streams: dict[Role, Any] = field(default_factory=dict)  # every pool's handle in streaming mode
     max_token_chars: int = 0  # the longest vocabulary entry, in characters (0: unknown, no pre-check)
     prefix_index: PrefixIndex | None = None  # which prefixes each instance holds; from the first engine report on
 
     def __post_init__(self) -> None:
-        self.decode_stream = self.handles[self.decode_role].options(stream=True)
+        # a prefill engine streams too when the policy serves a request whole there (`Policy.may_host`)
+        self.streams = {role: h.options(stream=True) for role, h in self.handles.items()}
         if not self.max_token_chars:
             self.max_token_chars = max_token_chars(self.tokenizer)
 

@@ -336,8 +336,12 @@ def test_roles_and_sampling_are_validated(engines: Engines):
     ids = _ids(engines, PROMPTS[0])
     with pytest.raises(ValueError, match="does not serve prefill"):
         engines.run(engines.D.prefill("bad-1", ids, GREEDY))
-    with pytest.raises(ValueError, match="does not serve decode"):
-        engines.run(_collect(engines.P, "bad-2", ids, GREEDY, None))
+    with pytest.raises(ValueError, match="does not serve decode"):  # a prefill engine pulls no KV ...
+        engines.run(_collect(engines.P, "bad-2", ids, GREEDY, {"remote_engine_id": "elsewhere"}))
+    # ... but serves a request whole when the router hosts one there, as the colocated engine does
+    whole = {**GREEDY, "max_tokens": 6, "ignore_eos": True}
+    hosted = engines.run(_collect(engines.P, "hosted-1", ids, whole, None))
+    assert hosted == engines.run(_collect(engines.C, "hosted-2", ids, whole, None)) and len(hosted[0]) == 6
     with pytest.raises(ValueError, match="unknown sampling keys"):
         engines.run(_collect(engines.C, "bad-3", ids, {"best_of": 3}, None))
     with pytest.raises(ValueError, match="only n=1"):

@@ -112,6 +112,41 @@ def test_greedy_output_is_identical_disaggregated_colocated_and_across_decode_in
     assert all(route(r)["served_prefill"] != route(r)["served_decode"] for r in disagg)
 
 
+def test_a_request_hosted_on_the_prefill_engine_is_served_there_whole_with_the_same_answer(client, stack):
+    """`slo_goodput` serves a request whole on a prefill engine when no disaggregated placement can
+    meet its SLO. Here a cost model with 5 s KV transfers (colocation on the decode engines off)
+    makes every pair miss: the prefill engine prefills and decodes the request itself, with no KV
+    moved, and greedy decoding gives the disaggregated answer."""
+    from disagg.core.cost_model import load_profile
+
+    prompt = "A prefill engine can decode too, when the decode pool is the limit:"
+    set_policy(client, "round_robin")
+    reference = complete(client, prompt, max_tokens=16, ignore_eos=True)
+    slow_links = stack.run_dir / "runs" / "test-hosted-slow-links.yaml"
+    cm = load_profile("cpu-tiny")
+    cm.model_copy(update={"name": "cpu-tiny-slow-links",
+                          "transfer": cm.transfer.model_copy(update={"latency_s": 5.0})}).save(slow_links)
+    before = state(client)["instances"]
+    try:
+        r = client.post("/admin/cost_model", json={"cost_model": str(slow_links)})
+        assert r.status_code == 200, r.text
+        set_policy(client, "slo_goodput", {"allow_colocated": False})
+        hosted = complete(client, prompt, max_tokens=16, ignore_eos=True)
+    finally:
+        slow_links.unlink(missing_ok=True)
+        assert client.post("/admin/cost_model", json={"cost_model": "cpu-tiny"}).status_code == 200
+        set_policy(client, "marginal_cost")
+    rt = route(hosted)
+    assert rt["policy"] == "slo_goodput"
+    assert rt["prefill"] == rt["decode"] == rt["served_prefill"] == rt["served_decode"] and "fallback" not in rt
+    assert before[rt["served_decode"]]["role"] == "prefill"
+    assert hosted.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
+    assert hosted.json()["usage"]["completion_tokens"] == 16
+    time.sleep(0.5)  # let a poll see the counters
+    after = state(client)["instances"]
+    assert all(after[k]["kv_transfers_ok"] == v["kv_transfers_ok"] for k, v in before.items() if v["role"] == "decode")
+
+
 def test_streaming_chat_with_usage(client):
     set_policy(client, "marginal_cost")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Stream me some tokens"}],
