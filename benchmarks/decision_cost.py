@@ -26,8 +26,13 @@ from disagg.sim.metrics import percentile
 
 
 def make_pool(n: int, role: Role, rng: random.Random, cap: int) -> list[InstanceView]:
-    return [InstanceView(f"{role.value}-{i}", role, rng.uniform(0, 2), rng.randint(0, 40), rng.randint(0, cap), cap)
-            for i in range(n)]
+    views = []
+    for i in range(n):
+        backlog, queued, used = rng.uniform(0, 2), rng.randint(0, 40), rng.randint(0, cap)
+        # half the prefill instances serve some requests whole (`slo_goodput`'s hosted decodes)
+        hosted = rng.choice([0, rng.randint(0, queued)]) if role is Role.PREFILL else 0
+        views.append(InstanceView(f"{role.value}-{i}", role, backlog, queued, used, cap, None, hosted))
+    return views
 
 
 def measure(policy_name: str, candidates: int, calls: int, seed: int = 0, gc_mode: str = "on") -> dict:
