@@ -97,7 +97,7 @@ def markdown(traces, topologies, seeds, policies, results) -> str:
                 best = max(base.values(), default=0.0)
                 ours = results[(name, t, s, OURS)]["capacity_rps"] or 0.0
                 leaders = sorted(p for p, v in base.items() if v == best)
-                ratios.append(f"{ours / best:.2f}x {'/'.join(leaders)}" if best > 0 else "n/a")
+                ratios.append(f"{ours / best:.2f}× {'/'.join(leaders)}" if best > 0 else "n/a")
             out.append("| ratio to the best baseline | " + " | ".join(ratios) + " |")
         out.append("")
     return "\n".join(out)

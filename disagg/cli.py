@@ -516,7 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", required=True, help="trace file, or a name in $DISAGG_TRACE_DIR")
     sim.add_argument("--format", default="auto", help="azure|mooncake|burstgpt|native|auto (default)")
     sim.add_argument("--topology", default="2P4D", help="e.g. 2P4D: 2 prefill and 4 decode instances")
-    sim.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated; known: {','.join(known_policies())}")
+    sim.add_argument("--policies", default=DEFAULT_POLICIES,
+                     help=f"comma-separated NAME or NAME:key=value[:key=value] (e.g. slo_goodput:allow_hosted=false); "
+                          f"known: {','.join(known_policies())}")
     rate = sim.add_mutually_exclusive_group()
     rate.add_argument("--rate", type=float, help="rescale the trace to this mean arrival rate (req/s)")
     rate.add_argument("--saturation", action="store_true", help="run at the rate where round robin is mid-collapse")
@@ -615,7 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="trace file or name in $DISAGG_TRACE_DIR; repeat (or comma-separate) for several")
     bench.add_argument("--format", default="auto", help="azure|mooncake|burstgpt|native|auto (default)")
     bench.add_argument("--policies", default="round_robin,least_loaded,length_heuristic,marginal_cost",
-                       help=f"comma-separated; known: {','.join(known_policies())}")
+                       help=f"comma-separated NAME or NAME:key=value[:key=value]; known: {','.join(known_policies())}")
     brate = bench.add_mutually_exclusive_group()
     brate.add_argument("--rate", type=float, help="rescale each trace slice to this mean arrival rate (req/s)")
     brate.add_argument("--saturation", action="store_true",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from disagg.core.policies import PolicyError, policy_class
+from disagg.core.policies import PolicyError, parse_policy_spec
 
 
 class UsageError(Exception):
@@ -37,13 +37,14 @@ def resolve_trace(name_or_path: str) -> Path:
 
 
 def parse_policies(text: str) -> list[str]:
-    """A comma-separated list of registered policy names; an unknown one is refused."""
+    """A comma-separated list of registered policy names, each optionally with parameters
+    (`parse_policy_spec`: `slo_goodput:allow_hosted=false`); an unknown one is refused."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise UsageError("--policies is empty")
     for n in names:
         try:
-            policy_class(n)
+            parse_policy_spec(n)
         except PolicyError as e:
             raise UsageError(str(e)) from None
     return names

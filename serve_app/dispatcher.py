@@ -6,6 +6,8 @@ Per request (a `Flight`), after the ingress has validated and tokenized it:
 2. admit to the ledger; prefill on exactly the chosen prefill replica (`pinned_router`), retrying
    another prefill replica (`prefill_retries`) and finally prefilling on the decode replica;
 3. start the decode on exactly the chosen decode replica with the prefill's `kv_transfer_params`
+   (a request the policy serves whole on a prefill instance, `Policy.may_host`, skips step 2 and
+   streams from that prefill replica, which prefills it locally)
    and wait for its first token before the ingress answers, so a failure still gets a proper
    status code; a decode that fails before its first token is retried once on another decode
    replica, which prefills locally;

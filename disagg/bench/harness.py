@@ -91,7 +91,7 @@ from disagg.bench.loadgen import (
     run_open_loop, send_one,
 )
 from disagg.core.cost_model import CostModel, load_profile
-from disagg.core.policies import known_policies, policy_class
+from disagg.core.policies import PolicyError, known_policies, parse_policy_spec
 from disagg.core.types import SloClass
 from disagg.files import json_safe, write_json_atomic
 from disagg.sim.metrics import RequestRecord, summarize
@@ -352,12 +352,13 @@ def check_config(cfg: BenchConfig) -> tuple[CostModel, list[TraceInput]]:
     if not cfg.policies:
         raise BenchError("--policies is empty")
     live_ok = known_policies(False)
-    for name in cfg.policies:
-        if name not in known_policies(True):
-            raise BenchError(f"unknown policy {name!r}; known policies: {', '.join(known_policies(True))}")
+    for spec in cfg.policies:
+        try:
+            name, _ = parse_policy_spec(spec)  # a known name, or NAME:key=value... with valid parameters
+        except PolicyError as e:
+            raise BenchError(str(e)) from None
         if cfg.live and name not in live_ok:
             raise BenchError(f"policy {name!r} runs in the simulator only; the live app knows: {', '.join(live_ok)}")
-        policy_class(name)
     if len(set(cfg.policies)) != len(cfg.policies):
         raise BenchError(f"--policies lists a policy twice: {','.join(cfg.policies)}")
     if cfg.rate is not None and not (math.isfinite(cfg.rate) and cfg.rate > 0):
@@ -518,10 +519,12 @@ async def probe_target(client: httpx.AsyncClient, url: str) -> Target:
                   policy=state.get("policy", "?"), cost_model=state.get("cost_model", "?"))
 
 
-async def set_policy(client: httpx.AsyncClient, name: str) -> None:
-    r = await client.post("/admin/policy", json={"name": name, "params": {}}, timeout=30.0)
+async def set_policy(client: httpx.AsyncClient, spec: str) -> None:
+    """Switch the app to a policy: a name, or NAME:key=value... (`parse_policy_spec`)."""
+    name, params = parse_policy_spec(spec)
+    r = await client.post("/admin/policy", json={"name": name, "params": params}, timeout=30.0)
     if r.status_code != 200:
-        raise BenchError(f"the app refused policy {name!r} ({r.status_code}): {error_message(r)}")
+        raise BenchError(f"the app refused policy {spec!r} ({r.status_code}): {error_message(r)}")
 
 
 async def reset_prefix_cache(client: httpx.AsyncClient) -> None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import json
 import math
 import random
 from typing import Annotated, Any, Callable, ClassVar, Sequence, TypeVar
@@ -128,6 +129,31 @@ def policy_class(name: str) -> type[Policy]:
         return _REGISTRY[name]
     except KeyError:
         raise PolicyError(f"unknown policy {name!r}; known policies: {', '.join(known_policies())}") from None
+
+
+def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """`NAME` or `NAME:key=value[:key=value...]` → (name, params): a policy with parameters where a
+    command takes policy names (`disagg sim`/`bench --policies slo_goodput:allow_hosted=false`).
+    Values are JSON (`false`, `0.5`, `"x"`), else text. The name and parameters are checked as
+    `build_policy` checks them; PolicyError names the spec."""
+    name, *pairs = spec.split(":")
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        key, eq, raw = pair.partition("=")
+        if not key or not eq:
+            raise PolicyError(f"policy {spec!r}: expected NAME or NAME:key=value[:key=value...], got {pair!r}")
+        try:
+            params[key] = json.loads(raw)
+        except ValueError:
+            params[key] = raw
+    cls = policy_class(name)
+    try:
+        cls.Params.model_validate(params)
+    except ValidationError as e:
+        msgs = "; ".join(f"'{'.'.join(map(str, x['loc']))}': {x['msg']}" for x in e.errors())
+        raise PolicyError(f"policy {spec!r}: bad parameters: {msgs}. Allowed parameters: "
+                          f"{', '.join(cls.Params.model_fields) or '(none)'}") from None
+    return name, params
 
 
 def build_policy(name: str, cost_model: CostModel, params: dict[str, Any] | None = None) -> Policy:
@@ -910,13 +936,12 @@ class SloGoodput(Policy):
             _feasible(prefill, req, "prefill")  # raises the precise reason
             raise NoCapacity("no prefill candidate fits and colocated prefill is disabled")
 
-        # prefill side: only the end of its prefill matters to a pair, so without per-pair transfer
-        # constants the earliest end is the only prefill worth pairing
+        # prefill side: a pair depends on its prefill instance through the prefill's end and the TPOT
+        # misses that prefill adds to the decodes hosted there (its stall); so without per-pair transfer
+        # constants only the earliest end is worth pairing, and any later one that stalls less
         all_ends = ends = self._prefill_ends(prefill_ok, req, now)
-        # a prefill on an instance hosting decodes stalls them: the TPOT misses it adds there
         stalls = [self._stall(p, work, out, now, spread) if p.hosted else 0.0 for _, _, work, p in ends]
         if ends and not cm.pairs:
-            # the earliest end, and any later one that stalls fewer hosted decodes
             order = sorted(range(len(ends)), key=lambda j: ends[j][0])
             keep, low = [], math.inf
             for j in order:

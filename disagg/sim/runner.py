@@ -33,7 +33,7 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 from disagg.core.cost_model import CostModel
-from disagg.core.policies import build_policy
+from disagg.core.policies import build_policy, parse_policy_spec
 from disagg.core.predictor import BucketMeanPredictor, NoisyPredictor
 from disagg.sim.autoscaling import Scaler
 from disagg.sim.metrics import percentile, summarize
@@ -83,12 +83,14 @@ def simulate(
     scaler: Scaler | None = None,
     startup_s: float = 60.0,
 ) -> tuple[dict, SimResult]:
-    """One policy through the simulator. `router_cost_model` lets the router believe other
+    """One policy through the simulator (`policy_name` may carry parameters: `parse_policy_spec`;
+    `policy_params` add to them). `router_cost_model` lets the router believe other
     constants than the engines really have (the miscalibration study). `routers` router replicas
     share the arrivals in turn; `others_totals=False` hides the engines' received-call ledgers
     from them, `peer_notify_s` adds the routers' notices to each other (see `Simulator`). With a
     `scaler` the pools' widths change (disagg.sim.autoscaling), `topology` being each pool's most."""
-    policy = build_policy(policy_name, router_cost_model or cost_model, policy_params)
+    name, spec_params = parse_policy_spec(policy_name)  # a name, or NAME:key=value...
+    policy = build_policy(name, router_cost_model or cost_model, {**spec_params, **(policy_params or {})})
     predictor = BucketMeanPredictor()
     if predictor_error > 0:
         predictor = NoisyPredictor(predictor, predictor_error, seed=seed)

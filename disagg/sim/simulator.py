@@ -15,7 +15,9 @@ A request's life: arrival → policy → prefill-only job on the prefill instanc
 on the decode instance, admission (blocks for the prompt) → KV transfer (calibrated latency +
 tokens / bandwidth) → the prefill instance frees its blocks → decode → last token. TTFT is the
 first token the *client* sees, produced by the decode instance's first step (as in vLLM's
-disaggregated flow). A colocated decision runs prefill and decode on the decode instance.
+disaggregated flow). A colocated decision runs prefill and decode on the decode instance; a
+hosted one (`Policy.may_host`) runs both on the prefill instance, whose ledger view then counts
+only the request's prefill as queue, until its first token (`StepOutcome.started`).
 A prompt no instance can ever hold is rejected (`NoCapacity`) and counted as a failure.
 
 Several router replicas (`routers=K`, default 1): arrivals go to the routers in turn (as Serve's

@@ -136,6 +136,8 @@ def test_bad_input_is_refused_before_anything_is_sent(tmp_path):
         assert r.returncode == 2 and "unknown policy 'fastest_ever'" in r.stderr and "least_loaded" in r.stderr
         r = cli("--trace", str(trace), "--policies", "oracle", *common)
         assert r.returncode == 2 and "simulator only" in r.stderr
+        r = cli("--trace", str(trace), "--policies", "slo_goodput:hosting=false", *common)
+        assert r.returncode == 2 and "'hosting'" in r.stderr and "allow_hosted" in r.stderr
         r = cli("--trace", str(tmp_path / "missing.csv"), "--policies", "round_robin", *common)
         assert r.returncode == 2 and "not found" in r.stderr
         assert stub.completions == [] and stub.admin == []

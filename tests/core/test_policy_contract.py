@@ -253,7 +253,7 @@ def test_header_value_explains_the_choice(name, cm):
 # --- the registry -------------------------------------------------------------------------------
 
 from disagg.core import policies as policies_mod  # noqa: E402
-from disagg.core.policies import Policy, PolicyError, policy_class, register  # noqa: E402
+from disagg.core.policies import Policy, PolicyError, parse_policy_spec, policy_class, register  # noqa: E402
 
 
 @pytest.fixture
@@ -300,6 +300,18 @@ def test_params_reach_the_policy(cm):
     pol = build_policy("pair_cost", cm, {"interference": 0.25, "allow_colocated": False, "rho": 3.0})
     assert pol.params.interference == 0.25 and pol.params.allow_colocated is False and pol.params.rho == 3.0
     assert pol.cost_model is cm
+
+
+def test_a_policy_spec_carries_parameters_checked_as_build_policy_checks_them():
+    assert parse_policy_spec("marginal_cost") == ("marginal_cost", {})
+    assert parse_policy_spec("slo_goodput:allow_hosted=false:latency_error=0.3") == \
+        ("slo_goodput", {"allow_hosted": False, "latency_error": 0.3})
+    assert parse_policy_spec("pair_cost:interference=0.25") == ("pair_cost", {"interference": 0.25})
+    for bad, says in [("slo_goodput:allow_hosted", "key=value"), ("slo_goodput:=1", "key=value"),
+                      ("slo_goodput:hosting=false", "Allowed parameters"),
+                      ("slo_goodput:latency_error=fast", "latency_error"), ("fastest_ever:x=1", "unknown policy")]:
+        with pytest.raises(PolicyError, match=says):
+            parse_policy_spec(bad)
 
 
 def test_duplicate_registration_raises_and_keeps_the_original(scratch_registry):

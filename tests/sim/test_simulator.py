@@ -5,7 +5,7 @@ import pytest
 from disagg.core.cost_model import load_profile
 from disagg.core.policies import Policy, build_policy, known_policies
 from disagg.core.types import CostTerms, Decision, SloClass
-from disagg.sim.runner import clamp_to_context, compare, simulate
+from disagg.sim.runner import clamp_to_context, compare, prepare_trace, simulate
 from disagg.sim.simulator import Simulator, Topology
 from disagg.sim.traces import TraceRequest
 from disagg.sim.workloads import generate
@@ -148,6 +148,16 @@ def test_prompt_beyond_every_kv_capacity_is_a_counted_failure(cm):
     failed = [r for r in res.records if r.error]
     assert failed[0].prompt_tokens == huge and "KV capacity" in failed[0].error
     assert summary["goodput"] <= 2 / 3
+
+
+def test_a_policy_named_with_parameters_runs_as_with_them_given_apart(cm):
+    trace = prepare_trace(generate("short_prompt_long_generation", 300, rate=30.0, seed=4), None, 0.5, 4)
+    spec, _ = simulate(trace, cm, Topology(4, 3), "slo_goodput:allow_hosted=false")
+    apart, _ = simulate(trace, cm, Topology(4, 3), "slo_goodput", policy_params={"allow_hosted": False})
+    hosting, _ = simulate(trace, cm, Topology(4, 3), "slo_goodput")
+    drop = ("sim_wall_s", "sim_requests_per_s", "decision_us_p50", "decision_us_p99")
+    assert {k: v for k, v in spec.items() if k not in drop} == {k: v for k, v in apart.items() if k not in drop}
+    assert spec["load_balance"] != hosting["load_balance"]  # the parameter changed what ran
 
 
 def test_colocated_decisions_run_prefill_on_the_decode_instance(cm):
