@@ -146,25 +146,22 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
             params[key] = json.loads(raw)
         except ValueError:
             params[key] = raw
-    cls = policy_class(name)
-    try:
-        cls.Params.model_validate(params)
-    except ValidationError as e:
-        msgs = "; ".join(f"'{'.'.join(map(str, x['loc']))}': {x['msg']}" for x in e.errors())
-        raise PolicyError(f"policy {spec!r}: bad parameters: {msgs}. Allowed parameters: "
-                          f"{', '.join(cls.Params.model_fields) or '(none)'}") from None
+    _checked_params(policy_class(name), params, spec)
     return name, params
 
 
 def build_policy(name: str, cost_model: CostModel, params: dict[str, Any] | None = None) -> Policy:
     cls = policy_class(name)
+    return cls(cost_model, _checked_params(cls, params or {}, name))
+
+
+def _checked_params(cls: type[Policy], params: dict[str, Any], label: str) -> Params:
     try:
-        parsed = cls.Params.model_validate(params or {})
+        return cls.Params.model_validate(params)
     except ValidationError as e:
         allowed = ", ".join(cls.Params.model_fields) or "(none)"
         msgs = "; ".join(f"'{'.'.join(map(str, x['loc']))}': {x['msg']}" for x in e.errors())
-        raise PolicyError(f"policy {name!r}: bad parameters: {msgs}. Allowed parameters: {allowed}") from None
-    return cls(cost_model, parsed)
+        raise PolicyError(f"policy {label!r}: bad parameters: {msgs}. Allowed parameters: {allowed}") from None
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -840,9 +837,10 @@ class SloGoodput(Policy):
       time once for the decode instance's capacity and once for each of the b sequences it
       stalls — so decode instances are kept for decoding unless prefilling there saves misses.
       Hosted, it is its prefill's time once for each of the h decodes there and its decode's
-      per-sequence step time ô × τ_seq, which the prefills there wait for — so prefill
-      instances, too, keep to their role unless hosting saves misses: when the decode pool's KV or
-      TPOT is the limit, the prefill pool's KV and time serve decodes as well.
+      per-sequence step time ô × τ_seq, which the prefills there wait for: where every placement
+      meets its targets, hosting wins only if that costs less than the transfer and first decode
+      step it saves. When the decode pool's KV or TPOT is the limit, the prefill pool's KV and
+      time serve decodes as well.
 
     Queues: the ledger's `backlog_s` prices every prompt whole, so on a prefill instance the policy
     subtracts what it knows the ledger overprices: the cached part of its own prefills there, until
