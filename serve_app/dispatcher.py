@@ -100,6 +100,7 @@ class Flight:
     first_chunk: DecodeChunk | None = None  # received before answering, relayed first
     output_ids: list[int] = field(default_factory=list)  # output tokens relayed so far (a migration prefills them)
     migrated_from: list[str] = field(default_factory=list)  # decode instances that failed mid-stream
+    migrated_after: list[int] = field(default_factory=list)  # ... and the output tokens relayed when each did
     prefix_hashes: tuple[int, ...] = ()  # the prompt's block hashes, when the model has a prefix index
     cached_predicted: dict[str, int] | None = None  # prompt tokens the index thought each chosen instance held
     prefill_cached_tokens: int | None = None  # ... and what the prefill engine's prefix cache supplied
@@ -493,6 +494,7 @@ class Dispatcher:
             reason += " (a structured-output request is not migrated)"
         while len(f.migrated_from) < self.migration_limit and f.sampling.get("structured_outputs") is None:
             f.migrated_from.append(f.actual_decode)
+            f.migrated_after.append(f.generated)
             others = [i for i in self.registry.pool(m, m.decode_role) if i.instance_id not in f.migrated_from]
             if not others:
                 reason += " (no other decode instance)"

@@ -11,6 +11,10 @@ The surface (README "HTTP API" lists the same):
   `seed`, `ignore_eos`, `logprobs` (completions: an int, the number of top alternatives; chat: a bool
   with `top_logprobs`), `response_format` (`text`, `json_object`, `json_schema`: vLLM's structured
   outputs), `stream`, `stream_options.include_usage`, `n` (1 only);
+- answered by the router: `return_token_ids` (vLLM's): the answer carries the prompt's and the
+  output's token ids (completions: `prompt_token_ids` and `token_ids` in the choice; chat:
+  `prompt_token_ids` at the top, `token_ids` in the choice; streamed: the prompt's in the first
+  chunk, each chunk's own output tokens in it);
 - accepted and ignored because they do not change the output (`NO_OP_FIELDS`): `user`, `metadata`,
   `store`, `service_tier`; a message's `name`;
 - anything else (`tools`, `functions`, `echo`, `best_of`, `suffix`, ...) is a 400 naming the field:
@@ -143,6 +147,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    return_token_ids: bool | None = None
     # documented no-ops (NO_OP_FIELDS): validated for type, never passed on
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -359,20 +364,31 @@ def choice_logprobs(entries, chat: bool, text_offset: int = 0) -> dict | None:
 
 
 def completion_body(rid: str, model: str, text: str, finish: str | None, usage: dict, chat: bool,
-                    logprobs: dict | None = None) -> dict:
+                    logprobs: dict | None = None, token_ids: tuple[list[int], list[int]] | None = None) -> dict:
+    """A whole answer; `token_ids` (prompt, output), when the request asked for them, go where
+    vLLM puts them (completions: in the choice; chat: the prompt's at the top)."""
     created = int(time.time())
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish}
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [choice], "usage": usage}
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        body = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": [choice], "usage": usage}
+    if token_ids is not None:
+        prompt_ids, output_ids = token_ids
+        (body if chat else choice)["prompt_token_ids"] = list(prompt_ids)
+        choice["token_ids"] = list(output_ids)
+    return body
 
 
 def stream_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool, first: bool = False,
-                 usage: dict | None = None, logprobs: dict | None = None) -> bytes:
+                 usage: dict | None = None, logprobs: dict | None = None,
+                 token_ids: tuple[list[int] | None, list[int]] | None = None) -> bytes:
+    """One server-sent event; `token_ids` (the prompt's, on the first chunk only, else None; this
+    chunk's output tokens) when the request asked for them."""
     created = int(time.time())
     if usage is not None:
         body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -387,8 +403,13 @@ def stream_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [choice]}
     else:
-        body = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+    if token_ids is not None and usage is None:
+        prompt_ids, output_ids = token_ids
+        if prompt_ids is not None:
+            (body if chat else choice)["prompt_token_ids"] = list(prompt_ids)
+        choice["token_ids"] = list(output_ids)
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 

@@ -64,7 +64,7 @@ def request_record(f: "Flight", error: str | None, now: float, multi_model: bool
         "max_tokens": f.sampling["max_tokens"], "predicted_output_tokens": f.predicted,
         "output_tokens": f.generated, "finish_reason": f.finish_reason, "error": error,
         "prefill": f.actual_prefill, "decode": f.actual_decode, "fallback": f.fallback,
-        "migrated_from": f.migrated_from or None,
+        "migrated_from": f.migrated_from or None, "migrated_after_tokens": f.migrated_after or None,
         "decision": f.decision.as_dict() if f.decision else None, "decision_us": f.decision_us,
         "ttft_s": (f.t_first - f.t_arrival) if f.t_first and f.t_arrival else None,
         "e2e_s": (now - f.t_arrival) if f.t_arrival else None,

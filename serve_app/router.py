@@ -413,9 +413,10 @@ class Router:
             text, logprobs = await self.dispatcher.collect_with_logprobs(flight)
         except ApiError as e:
             return _error(e)
+        ids = (flight.prompt_ids, flight.output_ids) if req.return_token_ids else None
         body = completion_body(flight.rid, flight.model.name, text, flight.finish_reason,
                                usage(len(flight.prompt_ids), flight.generated), chat,
-                               logprobs=choice_logprobs(logprobs, chat))
+                               logprobs=choice_logprobs(logprobs, chat), token_ids=ids)
         return JSONResponse(body, headers=headers)
 
     @staticmethod
@@ -446,7 +447,9 @@ class Router:
             async for c in self.dispatcher.chunks(f):
                 asked = f.sampling.get("logprobs") is not None
                 lps = choice_logprobs(c.logprobs or (), f.chat, offset) if asked else None
-                yield stream_chunk(f.rid, model, c.text, c.finish_reason, f.chat, first=first, logprobs=lps)
+                ids = (f.prompt_ids if first else None, c.token_ids) if f.req.return_token_ids else None
+                yield stream_chunk(f.rid, model, c.text, c.finish_reason, f.chat, first=first, logprobs=lps,
+                                   token_ids=ids)
                 offset += sum(len(lp.token) for lp in c.logprobs or ())
                 first = False
         except ApiError as e:

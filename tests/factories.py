@@ -133,6 +133,19 @@ def stream_text(events: Iterable[str]) -> tuple[str, list[str]]:
     return text, errors
 
 
+def stream_token_ids(events: Iterable[str]) -> tuple[list[int] | None, list[int]]:
+    """A completion streamed with `return_token_ids`: its prompt's ids (first chunk) and all its
+    output ids, chunk after chunk."""
+    prompt, output = None, []
+    for data in events:
+        event = json.loads(data) if data != DONE else {}
+        if event.get("choices"):
+            choice = event["choices"][0]
+            prompt = choice.get("prompt_token_ids", prompt) if prompt is None else prompt
+            output += choice["token_ids"]
+    return prompt, output
+
+
 class BroadcastResults:
     """What a pool handle's `broadcast(...)` returns: the replies, fetched with `results_async`."""
 

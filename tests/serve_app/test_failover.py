@@ -32,7 +32,7 @@ from disagg.bench.sse import SseDecoder  # noqa: E402
 from serve_app.dispatcher import continuation_sampling  # noqa: E402
 from serve_app.messages import DecodeChunk  # noqa: E402
 from serve_app.router import Router  # noqa: E402
-from factories import StandInPool, stream_text  # noqa: E402
+from factories import StandInPool, stream_text, stream_token_ids  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 12
@@ -154,7 +154,36 @@ def test_a_decode_failing_mid_stream_is_continued_elsewhere_with_the_same_answer
     assert counters.migrations == 1 and counters.served == 1 and counters.failed == 0
     record = json.loads(log.read_text().splitlines()[-1])
     assert record["migrated_from"] == [f"decode-{first.replica}"] and record["decode"] == f"decode-{second.replica}"
+    assert record["migrated_after_tokens"] == [4]
     assert record["output_tokens"] == MAX_TOKENS and record["error"] is None
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_token_ids_of_a_migrated_answer_are_the_prompt_and_every_token_once(stream):
+    decode = _Decoders(["d0", "d1"], failing=["d0", "d1"], fail_after=4)
+    streams = decode.decode_stream
+
+    def first_fails(call, replica):
+        s = streams(call, replica)
+        if len(decode.streams) > 1:
+            s.fail_after = None
+        return s
+    decode.decode_stream = first_fails
+
+    async def scenario():
+        r = await _router(decode)
+        resp = await r._handle(_request(stream, return_token_ids=True), chat=False)
+        if not stream:
+            choice = json.loads(resp.body)["choices"][0]
+            return choice["prompt_token_ids"], choice["token_ids"]
+        sse = SseDecoder()
+        return stream_token_ids([data async for raw in resp.body_iterator for data in sse.feed(raw)])
+    prompt, output = asyncio.run(scenario())
+
+    first, second = decode.streams
+    assert prompt == decode.calls[0][2].prompt_token_ids
+    assert output == second.context[len(prompt):]  # the 4 tokens before the failure, then the rest
+    assert len(output) == MAX_TOKENS and output[:4] == first.context[len(prompt):]
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -22,14 +22,14 @@ import psutil
 import pytest
 
 from disagg.bench.sse import DONE, SseDecoder, sse_data
-from factories import stream_text
+from factories import stream_text, stream_token_ids
 from serve_app.launch import ENGINE_PROCESS_MARKERS
 from unprovoked import killed_on_purpose, provoked
 
 pytestmark = pytest.mark.stack
 MODEL = "tiny-qwen2"
-REPLACE_TIMEOUT_S = 420
-MAX_DEPARTURES = 48  # clients leaving early, at most, until one leaves between its prefill and its first token  # a killed replica's replacement: engine start and warm-up on 2 busy cores
+REPLACE_TIMEOUT_S = 420  # a killed replica's replacement: engine start and warm-up on 2 busy cores
+MAX_DEPARTURES = 48  # clients leaving early, at most, until one leaves between its prefill and its first token
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +89,17 @@ def wait_until_idle(client, timeout_s: float = 60) -> dict:
     raise AssertionError(f"the stack did not go idle within {timeout_s} s: {s}")
 
 
-def test_a_decode_engine_killed_mid_stream_is_migrated_and_the_greedy_answer_is_unchanged(client, stack):
+def test_a_decode_engine_killed_mid_stream_is_migrated_and_the_answer_continues_from_the_tokens_sent(client, stack):
+    """The client gets one whole stream: the tokens sent before the kill, each once, then the new
+    instance's greedy continuation of prompt + those tokens. Not necessarily the uninterrupted
+    answer: the new instance recomputes those tokens as a prefill, and bf16 kernels need not round
+    as the incremental decode did (vLLM alone diverges so on some hosts: docs/known-gaps.md). So
+    the continuation is checked against the same recompute, sent as a token-id prompt."""
     body = {"model": MODEL, "prompt": "A decode engine dies mid-answer; the router carries on:", "max_tokens": 400,
-            "ignore_eos": True, "temperature": 0.0}
+            "ignore_eos": True, "temperature": 0.0, "return_token_ids": True}
     reference = client.post("/v1/completions", json=body)
     assert reference.status_code == 200, reference.text
+    ref = reference.json()["choices"][0]
     before = wait_until_idle(client)
     width = sum(v["role"] == "decode" for v in before["instances"].values())
     assert width >= 2, "migration needs a second decode instance"
@@ -106,20 +112,30 @@ def test_a_decode_engine_killed_mid_stream_is_migrated_and_the_greedy_answer_is_
             events.append(data)
             if not killed and len(events) >= 3:  # mid-stream
                 killed = kill_engine_core(before["instances"][served])
-    text, errors = stream_text(events)
-    rid = json.loads(events[0])["id"]
     assert killed, "the stream ended before the engine could be killed"
-    assert errors == []
-    assert text == reference.json()["choices"][0]["text"]  # the whole answer, as if nothing had died
-
+    # the kill is accounted for before any check of the answer: a wrong answer must not leave the
+    # pool short or the kill unprovoked for the tests after this one
     after = wait_until_replaced(client, served, "decode", width)
     killed_on_purpose(stack, killed, served)
-    routers = len(after["routers"])
-    provoked(stack, before["counters"], after["counters"], {"migrations": 1, "instances_lost": routers})
+    provoked(stack, before["counters"], after["counters"], {"migrations": 1, "instances_lost": len(after["routers"])})
+
+    text, errors = stream_text(events)
+    prompt_ids, output = stream_token_ids(events)
+    rid = json.loads(events[0])["id"]
     record = next(json.loads(x) for x in (stack.run_dir / "runs" / "requests.jsonl").read_text().splitlines()
                   if json.loads(x)["id"] == rid)
+    assert errors == []
     assert record["migrated_from"] == [served] and record["decode"] != served
     assert record["output_tokens"] == 400 and record["error"] is None
+    [sent] = record["migrated_after_tokens"]
+    assert 0 < sent < 400 and len(output) == 400 and prompt_ids == ref["prompt_token_ids"]
+    assert output[:sent] == ref["token_ids"][:sent]  # before the kill: the uninterrupted decode's tokens
+
+    rest = client.post("/v1/completions", json={**body, "prompt": prompt_ids + output[:sent], "max_tokens": 400 - sent})
+    assert rest.status_code == 200, rest.text
+    assert output[sent:] == rest.json()["choices"][0]["token_ids"]  # after it: the recompute's, none twice or lost
+    continued = rest.json()["choices"][0]["text"]
+    assert text.endswith(continued) and ref["text"].startswith(text[:len(text) - len(continued)])
 
 
 def _send_and_leave(base_url: str, body: dict, after_s: float) -> None:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from serve_app.openai_api import ApiError, parse_request, stream_chunk, usage
+from serve_app.openai_api import ApiError, completion_body, parse_request, stream_chunk, usage
 
 
 def parse(body, kind="completion"):
@@ -56,6 +56,33 @@ def test_stream_chunks_are_sse_json():
     u = json.loads(stream_chunk("id1", "m", "", None, chat=False, usage=usage(3, 4))[6:])
     assert u["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7} and u["choices"] == []
 
+
+
+def test_token_ids_go_where_vllm_puts_them():
+    """completions: both in the choice; chat: the prompt's at the top; streamed: the prompt's once."""
+    ids = ([5, 6], [7, 8, 9])
+    c = completion_body("id1", "m", "abc", "length", usage(2, 3), chat=False, token_ids=ids)
+    assert (c["choices"][0]["prompt_token_ids"], c["choices"][0]["token_ids"]) == ([5, 6], [7, 8, 9])
+    ch = completion_body("id1", "m", "abc", "length", usage(2, 3), chat=True, token_ids=ids)
+    assert (ch["prompt_token_ids"], ch["choices"][0]["token_ids"]) == ([5, 6], [7, 8, 9])
+    assert "prompt_token_ids" not in ch["choices"][0]
+    plain = completion_body("id1", "m", "abc", "length", usage(2, 3), chat=False)
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+    first = json.loads(stream_chunk("id1", "m", "a", None, chat=False, first=True, token_ids=([5, 6], (7,)))[6:])
+    assert (first["choices"][0]["prompt_token_ids"], first["choices"][0]["token_ids"]) == ([5, 6], [7])
+    later = json.loads(stream_chunk("id1", "m", "b", None, chat=True, token_ids=(None, (8, 9)))[6:])
+    assert later["choices"][0]["token_ids"] == [8, 9] and "prompt_token_ids" not in later
+    first_chat = json.loads(stream_chunk("id1", "m", "a", None, chat=True, first=True, token_ids=([5], (7,)))[6:])
+    assert first_chat["prompt_token_ids"] == [5] and "prompt_token_ids" not in first_chat["choices"][0]
+
+
+def test_return_token_ids_is_a_bool_and_not_an_engine_setting():
+    req = parse({"model": "m", "prompt": "x", "return_token_ids": True})
+    assert req.return_token_ids is True and "return_token_ids" not in req.sampling(default_max_tokens=4)
+    with pytest.raises(ApiError) as e:
+        parse({"model": "m", "prompt": "x", "return_token_ids": "yes"})
+    assert e.value.status == 400 and e.value.param == "return_token_ids"
 
 @pytest.mark.parametrize("body, kind, param", [
     ({"model": "m", "prompt": "x", "tools": []}, "completion", "tools"),
