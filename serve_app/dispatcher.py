@@ -16,8 +16,9 @@ Per request (a `Flight`), after the ingress has validated and tokenized it:
    length, and the request log gets one line with the decision and its per-term costs;
 5. a decode that fails mid-stream is migrated (`migration_limit` times at most): another decode
    instance prefills the prompt plus the tokens generated so far and streams the rest, so the
-   client gets the whole answer in one stream (the same text, under greedy sampling). A request
-   with structured output is not migrated: its grammar cannot resume mid-answer.
+   client gets the whole answer in one stream, every token once; from then on the router makes
+   the text and applies the stop strings (`migrated_text`). A request with structured output is
+   not migrated: its grammar cannot resume mid-answer.
 A client that goes away cancels the in-flight prefill or decode call; Serve propagates the
 cancellation into the engine replica, where vLLM aborts the request. A prefill's KV that no decode
 will pull (the client left, or the decode failed over to a local prefill) is released at once
@@ -43,7 +44,7 @@ import asyncio
 import contextvars
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from disagg.core.ledger import Ledger, admission_work
@@ -57,6 +58,7 @@ from disagg.core.types import Decision, InstanceView, NoCapacity, RequestFeature
 from disagg.core.utility import AccuracyTable, Choice
 from serve_app.instance_state import FlightFacts, instance_snapshot
 from serve_app.metrics import RouterMetrics
+from serve_app.migrated_text import MigratedText
 from serve_app.messages import DecodeCall, DecodeChunk, InvalidRequest, PrefillCall, PrefillReply
 from serve_app.openai_api import ApiError, openai_param
 from serve_app.planning import count_served
@@ -101,6 +103,8 @@ class Flight:
     output_ids: list[int] = field(default_factory=list)  # output tokens relayed so far (a migration prefills them)
     migrated_from: list[str] = field(default_factory=list)  # decode instances that failed mid-stream
     migrated_after: list[int] = field(default_factory=list)  # ... and the output tokens relayed when each did
+    text_sent: list[str] = field(default_factory=list)  # the text relayed so far, chunk by chunk
+    migrated_text: MigratedText | None = None  # after a migration, the router makes the text (`migrated_text`)
     prefix_hashes: tuple[int, ...] = ()  # the prompt's block hashes, when the model has a prefix index
     cached_predicted: dict[str, int] | None = None  # prompt tokens the index thought each chosen instance held
     prefill_cached_tokens: int | None = None  # ... and what the prefill engine's prefix cache supplied
@@ -153,13 +157,26 @@ def _detached(step) -> asyncio.Task:
 
 def continuation_sampling(sampling: dict, generated: int) -> dict:
     """The sampling settings that continue a completion after `generated` of its tokens, once those
-    are part of the prompt: fewer tokens left to generate and to force."""
+    are part of the prompt: fewer tokens left to generate and to force, and no stop strings (the
+    router applies them to the text it makes: `migrated_text`)."""
     s = dict(sampling, max_tokens=sampling["max_tokens"] - generated)
+    s.pop("stop", None)
     if "min_tokens" in s:
         s["min_tokens"] = max(0, s["min_tokens"] - generated)
         if not s["min_tokens"]:
             del s["min_tokens"]
     return s
+
+
+def _retext(text: MigratedText, chunk: DecodeChunk) -> tuple[DecodeChunk, bool]:
+    """A migrated decode's chunk with the router's text; True when a stop string ended the answer
+    in it (its tokens after that one are dropped, as vLLM drops them)."""
+    out, kept = text.feed(chunk.token_ids, finished=chunk.finish_reason is not None,
+                          token_stopped=chunk.finish_reason == "stop")
+    if kept is None:
+        return replace(chunk, text=out), False
+    logprobs = chunk.logprobs[:kept] if chunk.logprobs is not None else None
+    return replace(chunk, text=out, token_ids=chunk.token_ids[:kept], finish_reason="stop", logprobs=logprobs), True
 
 
 def _no_capacity(e: NoCapacity) -> ApiError:
@@ -521,6 +538,12 @@ class Dispatcher:
             logger.info("router: %s migrated from %s to %s after %d tokens", f.rid, f.migrated_from[-1],
                         inst.instance_id, f.generated)
             f.actual_decode = inst.instance_id
+            if f.migrated_text is None:  # a second migration goes on with the same text
+                tokenizer = m.tokenizer
+                f.migrated_text = MigratedText(
+                    lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False),
+                    f.prompt_ids, f.output_ids, "".join(f.text_sent), f.sampling.get("stop"),
+                    f.sampling.get("min_tokens", 0))
             self.ledger.prefill_done(f.rid)
             return first
         raise ApiError(f"decode failed after {f.generated} tokens: {reason}", status=502, kind="upstream_error")
@@ -534,10 +557,17 @@ class Dispatcher:
         try:
             chunk = f.first_chunk
             while chunk is not None:
+                stopped = False
+                if f.migrated_text is not None:
+                    chunk, stopped = _retext(f.migrated_text, chunk)
                 f.output_ids.extend(chunk.token_ids)
+                f.text_sent.append(chunk.text)
                 if chunk.finish_reason:
                     f.finish_reason = chunk.finish_reason
                 yield chunk
+                if stopped:  # a stop string the router found: the engine would go on
+                    f.stream.cancel()
+                    break
                 try:
                     chunk = await f.stream.__anext__()
                 except StopAsyncIteration:

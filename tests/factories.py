@@ -12,6 +12,7 @@ so a lone 100-token prefill takes 0.01 + 0.1 = 0.11 s and one decode token at co
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Iterable, Sequence
 
@@ -131,6 +132,26 @@ def stream_text(events: Iterable[str]) -> tuple[str, list[str]]:
         elif event.get("choices"):
             text += event["choices"][0]["text"]
     return text, errors
+
+
+@functools.cache
+def tiny_tokenizer():
+    """The served tiny model's tokenizer (the model is built once, offline, if missing)."""
+    from transformers import AutoTokenizer
+
+    from serve_app.tiny_model import build_tiny_model
+    return AutoTokenizer.from_pretrained(build_tiny_model())
+
+
+def vllm_text(tokenizer, prompt: Sequence[int], output: Sequence[int]) -> str:
+    """The text vLLM streams for `output` after `prompt` (its detokenizer: a `tokenizers`
+    DecodeStream primed with the prompt; no stop strings)."""
+    from tokenizers.decoders import DecodeStream
+
+    stream, text = DecodeStream(ids=list(prompt), skip_special_tokens=True), ""
+    for t in output:
+        text += stream.step(tokenizer.backend_tokenizer, t) or ""
+    return text
 
 
 def stream_token_ids(events: Iterable[str]) -> tuple[list[int] | None, list[int]]:

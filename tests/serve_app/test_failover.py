@@ -9,7 +9,8 @@
 The real `Router` runs in-process over stand-in engines that "decode greedily": each next token
 is a function of every token before it (prompt and output alike), as a model's greedy choice is.
 So a continuation built from the wrong prompt, or with the tokens so far counted wrong, gives a
-different answer than the uninterrupted run. The live proofs (an EngineCore killed by pid
+different answer than the uninterrupted run. Their text is the served tokenizer's, made as vLLM
+makes it (tests/factories.py `vllm_text`), its faults at a migration's seam included. The live proofs (an EngineCore killed by pid
 mid-stream; a client leaving before its first token, seen on the engines' own KV counters) are
 in tests/serve_app/test_faults.py.
 """
@@ -32,7 +33,7 @@ from disagg.bench.sse import SseDecoder  # noqa: E402
 from serve_app.dispatcher import continuation_sampling  # noqa: E402
 from serve_app.messages import DecodeChunk  # noqa: E402
 from serve_app.router import Router  # noqa: E402
-from factories import StandInPool, stream_text, stream_token_ids  # noqa: E402
+from factories import StandInPool, stream_text, stream_token_ids, tiny_tokenizer, vllm_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 12
@@ -47,9 +48,17 @@ class _Greedy:
     """A decode stream of `greedy_next` tokens, two per chunk, failing after `fail_after` tokens."""
 
     def __init__(self, call, replica: str, fail_after: int | None):
+        self.prompt = list(call.prompt_token_ids)
         self.context = list(call.prompt_token_ids)
         self.left = call.sampling["max_tokens"]
         self.replica, self.fail_after, self.sent, self.cancelled = replica, fail_after, 0, False
+        self.text = ""  # what it streamed
+        stop = call.sampling.get("stop")
+        self.stop = [stop] if isinstance(stop, str) else list(stop or ())
+        self.hold = max(map(len, self.stop)) - 1 if self.stop else 0  # what vLLM holds back for them
+
+    def next_token(self) -> int:
+        return greedy_next(self.context)
 
     def __aiter__(self):
         return self
@@ -61,12 +70,20 @@ class _Greedy:
             raise RuntimeError("EngineDeadError: EngineCore encountered an issue")
         ids = []
         for _ in range(min(2, self.left)):
-            ids.append(greedy_next(self.context))
+            ids.append(self.next_token())
             self.context.append(ids[-1])
         self.left -= len(ids)
         first = self.sent == 0
         self.sent += len(ids)
-        return DecodeChunk(tuple(ids), "".join(f"<{t}>" for t in ids), "length" if self.left == 0 else None,
+        text = vllm_text(tiny_tokenizer(), self.prompt, self.context[len(self.prompt):])
+        finish = "length" if self.left == 0 else None
+        hit = min((text.index(s) for s in self.stop if s in text), default=None)
+        if hit is not None:  # as vLLM: the text ends before the stop string, and so does the answer
+            text, finish, self.left = text[:hit], "stop", 0
+        elif finish is None and self.hold:
+            text = text[:max(len(self.text), len(text) - self.hold)]
+        chunk, self.text = text[len(self.text):], text
+        return DecodeChunk(tuple(ids), chunk, finish,
                            replica=self.replica if first else None, engine_first_token_s=0.001 if first else None)
 
     def cancel(self):
@@ -128,8 +145,9 @@ def _run(decode: _Decoders, stream: bool, **kw):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_decode_failing_mid_stream_is_continued_elsewhere_with_the_same_answer(stream, tmp_path):
-    status, clean, _, _ = _run(_Decoders(["d0", "d1"]), stream)
-    assert status == 200 and clean.count("<") == MAX_TOKENS
+    plain = _Decoders(["d0", "d1"])
+    status, clean, _, _ = _run(plain, stream)
+    assert status == 200 and clean == plain.streams[0].text and plain.streams[0].sent == MAX_TOKENS
 
     decode = _Decoders(["d0", "d1"], failing=["d0", "d1"], fail_after=4)
     streams = decode.decode_stream
@@ -186,12 +204,54 @@ def test_the_token_ids_of_a_migrated_answer_are_the_prompt_and_every_token_once(
     assert len(output) == MAX_TOKENS and output[:4] == first.context[len(prompt):]
 
 
+ANSWER = " café ☕ 中文 naïve, done. Then more"  # characters of 1 to 4 bytes, split across tokens
+
+
+class _Scripted(_Greedy):
+    """Streams the tokens of ANSWER, going on from wherever the prompt left it (after the request's
+    own prompt of `origin` tokens), so a continuation gives the rest."""
+    origin = 0
+
+    def next_token(self) -> int:
+        return tiny_tokenizer().encode(ANSWER)[len(self.context) - self.origin]
+
+
+class _ScriptedDecoders(_Decoders):
+    def decode_stream(self, call, replica):
+        if not self.streams:
+            _Scripted.origin = len(call.prompt_token_ids)
+        s = _Scripted(call, replica, self.fail_after if not self.streams else None)
+        self.streams.append(s)
+        return s
+
+
+@pytest.mark.parametrize("stop", [None, ". Then"])
+def test_a_migration_splitting_a_character_or_a_stop_string_loses_and_repeats_no_text(stop):
+    """vLLM's own text would repeat the prompt after a seam inside a character, and lose what it held
+    back for a stop string: the router's is the uninterrupted text, the stop string applied."""
+    n = len(tiny_tokenizer().encode(ANSWER))
+    want = ANSWER[:ANSWER.index(stop)] if stop else ANSWER
+    migrated = 0
+    for fail_after in range(1, n - 1):
+        decode = _ScriptedDecoders(["d0", "d1"], failing=["d0", "d1"], fail_after=fail_after)
+        status, text, error, counters = _run(decode, True, extra={"max_tokens": n, "stop": stop})
+        assert (status, error, text) == (200, None, want), fail_after
+        if len(decode.streams) == 1:
+            continue  # the engine found the stop string before it was to fail
+        first, second = decode.streams
+        assert counters.migrations == 1 and "stop" not in decode.calls[1][2].sampling
+        assert second.cancelled == bool(stop)  # the router found the stop string; the engine would go on
+        migrated += 1
+    assert migrated >= n // 2 - 4
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_without_migration_the_failure_is_a_clean_error(stream):
-    status, text, error, counters = _run(_Decoders(["d0", "d1"], failing=["d0", "d1"]), stream, migration_limit=0)
+    decode = _Decoders(["d0", "d1"], failing=["d0", "d1"])
+    status, text, error, counters = _run(decode, stream, migration_limit=0)
     assert error is not None and "decode failed after 4 tokens" in error
     if stream:  # the tokens so far were sent; the stream ends with an error event
-        assert status == 200 and text.count("<") == 4
+        assert status == 200 and text == decode.streams[0].text and decode.streams[0].sent == 4
     else:
         assert status == 502
     assert counters.migrations == 0 and counters.failed == 1 and counters.served == 0
@@ -201,7 +261,8 @@ def test_the_migration_limit_bounds_the_attempts():
     decode = _Decoders(["d0", "d1", "d2"], failing=["d0", "d1", "d2"], fail_after=2)
     status, text, error, counters = _run(decode, True, migration_limit=1)
     assert "decode failed after 4 tokens" in error  # 2 tokens on each of two instances, then no third
-    assert text.count("<") == 4 and len(decode.streams) == 2
+    first, second = decode.streams
+    assert text == vllm_text(tiny_tokenizer(), first.prompt, second.context[len(first.prompt):])
     assert counters.migrations == 1 and counters.failed == 1
 
 
@@ -219,6 +280,7 @@ def test_continuation_sampling():
     assert continuation_sampling(s, 2) == {"max_tokens": 8, "min_tokens": 1, "temperature": 0.0}
     assert continuation_sampling(s, 5) == {"max_tokens": 5, "temperature": 0.0}
     assert s == {"max_tokens": 10, "min_tokens": 3, "temperature": 0.0}  # not changed in place
+    assert continuation_sampling({"max_tokens": 10, "stop": ["\n"]}, 2) == {"max_tokens": 8}  # the router applies them
 
 
 class _Stalled(_Greedy):
@@ -260,7 +322,7 @@ def test_a_decode_retried_with_a_local_prefill_releases_the_prefills_kv():
             return s
     decode = _FailsOnKv(["d0", "d1"])
     status, text, error, counters = _run(decode, False)
-    assert (status, error) == (200, None) and text.count("<") == MAX_TOKENS
+    assert (status, error) == (200, None) and text == decode.streams[-1].text and decode.streams[-1].sent == MAX_TOKENS
     first, retry = [c for c in decode.calls if c[0] == "decode"]
     assert first[2].kv_transfer_params and retry[2].kv_transfer_params is None
     releases = [c for c in decode.calls if c[0] == "release_kv"]
@@ -319,7 +381,7 @@ def test_with_no_prefill_instance_up_the_decode_instances_prefill_for_themselves
         return resp, r.counters
     resp, counters = asyncio.run(scenario())
     status, text, error = asyncio.run(_text(resp, False))
-    assert (status, error) == (200, None) and text.count("<") == MAX_TOKENS
+    assert (status, error) == (200, None) and text == decode.streams[0].text and decode.streams[0].sent == MAX_TOKENS
     (_, replica, call), = decode.calls
     assert call.kv_transfer_params is None  # prefilled on the decode instance itself
     r = route(resp)
