@@ -17,7 +17,7 @@ Per request (a `Flight`), after the ingress has validated and tokenized it:
 5. a decode that fails mid-stream is migrated (`migration_limit` times at most): another decode
    instance prefills the prompt plus the tokens generated so far and streams the rest, so the
    client gets the whole answer in one stream, every token once; from then on the router makes
-   the text and applies the stop strings (`migrated_text`). A request with structured output is
+   the text and applies the stop strings (`router_text`). A request with structured output is
    not migrated: its grammar cannot resume mid-answer.
 A client that goes away cancels the in-flight prefill or decode call; Serve propagates the
 cancellation into the engine replica, where vLLM aborts the request. A prefill's KV that no decode
@@ -58,7 +58,7 @@ from disagg.core.types import Decision, InstanceView, NoCapacity, RequestFeature
 from disagg.core.utility import AccuracyTable, Choice
 from serve_app.instance_state import FlightFacts, instance_snapshot
 from serve_app.metrics import RouterMetrics
-from serve_app.migrated_text import MigratedText
+from serve_app.router_text import RouterText, ends_inside_character
 from serve_app.messages import DecodeCall, DecodeChunk, InvalidRequest, PrefillCall, PrefillReply
 from serve_app.openai_api import ApiError, openai_param
 from serve_app.planning import count_served
@@ -104,7 +104,7 @@ class Flight:
     migrated_from: list[str] = field(default_factory=list)  # decode instances that failed mid-stream
     migrated_after: list[int] = field(default_factory=list)  # ... and the output tokens relayed when each did
     text_sent: list[str] = field(default_factory=list)  # the text relayed so far, chunk by chunk
-    migrated_text: MigratedText | None = None  # after a migration, the router makes the text (`migrated_text`)
+    router_text: RouterText | None = None  # the router makes the text (`router_text`: a migration, a split character)
     prefix_hashes: tuple[int, ...] = ()  # the prompt's block hashes, when the model has a prefix index
     cached_predicted: dict[str, int] | None = None  # prompt tokens the index thought each chosen instance held
     prefill_cached_tokens: int | None = None  # ... and what the prefill engine's prefix cache supplied
@@ -158,7 +158,7 @@ def _detached(step) -> asyncio.Task:
 def continuation_sampling(sampling: dict, generated: int) -> dict:
     """The sampling settings that continue a completion after `generated` of its tokens, once those
     are part of the prompt: fewer tokens left to generate and to force, and no stop strings (the
-    router applies them to the text it makes: `migrated_text`)."""
+    router applies them to the text it makes: `router_text`)."""
     s = dict(sampling, max_tokens=sampling["max_tokens"] - generated)
     s.pop("stop", None)
     if "min_tokens" in s:
@@ -168,9 +168,21 @@ def continuation_sampling(sampling: dict, generated: int) -> dict:
     return s
 
 
-def _retext(text: MigratedText, chunk: DecodeChunk) -> tuple[DecodeChunk, bool]:
-    """A migrated decode's chunk with the router's text; True when a stop string ended the answer
-    in it (its tokens after that one are dropped, as vLLM drops them)."""
+def _decoder(model: ServedModel):
+    """The served model's detokenizer, as vLLM's output text uses it."""
+    tokenizer = model.tokenizer
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _router_text(f: Flight) -> RouterText:
+    """The router's text for `f` from here on (the output tokens and text sent so far are kept)."""
+    return RouterText(_decoder(f.model), f.prompt_ids, f.output_ids, "".join(f.text_sent), f.sampling.get("stop"),
+                      f.sampling.get("min_tokens", 0))
+
+
+def _retext(text: RouterText, chunk: DecodeChunk) -> tuple[DecodeChunk, bool]:
+    """An engine's chunk with the router's text; True when a stop string ended the answer in it
+    (its tokens after that one are dropped, as vLLM drops them)."""
     out, kept = text.feed(chunk.token_ids, finished=chunk.finish_reason is not None,
                           token_stopped=chunk.finish_reason == "stop")
     if kept is None:
@@ -213,6 +225,9 @@ class Dispatcher:
         try:
             if alias_prompts is not None:
                 self._choose_model(f, alias_prompts)
+            if isinstance(getattr(f.req, "prompt", None), list) and ends_inside_character(_decoder(f.model), f.prompt_ids):
+                f.router_text = _router_text(f)  # vLLM's text would start with the prompt's again
+                f.sampling = {k: v for k, v in f.sampling.items() if k != "stop"}  # applied by the router
             await self._route_and_admit(f)
             kv = None if f.decision.colocated else await self._prefill(f)
             f.prefilled = True
@@ -538,12 +553,8 @@ class Dispatcher:
             logger.info("router: %s migrated from %s to %s after %d tokens", f.rid, f.migrated_from[-1],
                         inst.instance_id, f.generated)
             f.actual_decode = inst.instance_id
-            if f.migrated_text is None:  # a second migration goes on with the same text
-                tokenizer = m.tokenizer
-                f.migrated_text = MigratedText(
-                    lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False),
-                    f.prompt_ids, f.output_ids, "".join(f.text_sent), f.sampling.get("stop"),
-                    f.sampling.get("min_tokens", 0))
+            if f.router_text is None:  # else it goes on making the text, as after an earlier migration
+                f.router_text = _router_text(f)
             self.ledger.prefill_done(f.rid)
             return first
         raise ApiError(f"decode failed after {f.generated} tokens: {reason}", status=502, kind="upstream_error")
@@ -558,8 +569,8 @@ class Dispatcher:
             chunk = f.first_chunk
             while chunk is not None:
                 stopped = False
-                if f.migrated_text is not None:
-                    chunk, stopped = _retext(f.migrated_text, chunk)
+                if f.router_text is not None:
+                    chunk, stopped = _retext(f.router_text, chunk)
                 f.output_ids.extend(chunk.token_ids)
                 f.text_sent.append(chunk.text)
                 if chunk.finish_reason:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from disagg.bench.sse import DONE, sse_data
+from factories import stream_text, stream_token_ids, tiny_tokenizer
 
 pytestmark = pytest.mark.stack
 MODEL = "tiny-qwen2"
@@ -164,6 +165,30 @@ def test_streaming_chat_with_usage(client):
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert chunks[-1]["usage"]["completion_tokens"] == 20
     assert [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] == "length"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_token_id_prompt_that_ends_inside_a_character_gets_its_output_text_alone(client, stream):
+    """vLLM's own text would start with the whole prompt's again (serve_app/router_text.py)."""
+    tok = tiny_tokenizer()
+    ids = tok.encode("Say it: café")
+    prompt = ids[:next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "ignore_eos": True, "temperature": 0.0,
+            "return_token_ids": True, "stream": stream}
+    if stream:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = list(sse_data(r.iter_lines()))
+        text, errors = stream_text(events)
+        sent_prompt, output = stream_token_ids(events)
+        assert errors == []
+    else:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text, sent_prompt, output = choice["text"], choice["prompt_token_ids"], choice["token_ids"]
+    assert sent_prompt == prompt and len(output) == 12
+    assert text == tok.decode(prompt + output)[len(tok.decode(prompt)):]  # after the prompt's text, not with it
 
 
 @pytest.mark.parametrize("n", [1, 7, 33])

@@ -1,6 +1,6 @@
-"""The router's text after a migration (serve_app/migrated_text.py), with the served tiny model's
-real tokenizer. What the failed stream sent is made as vLLM makes it: a `tokenizers`
-DecodeStream primed with the prompt, then vLLM's stop-string hold-back."""
+"""The text the router makes (serve_app/router_text.py), with the served tiny model's real
+tokenizer. What a failed stream sent is made as vLLM makes it: a `tokenizers` DecodeStream primed
+with the prompt, then vLLM's stop-string hold-back."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from factories import tiny_tokenizer, vllm_text  # noqa: E402
-from serve_app.migrated_text import MigratedText  # noqa: E402
+from serve_app.router_text import RouterText, ends_inside_character  # noqa: E402
 
 ANSWER = " café ☕ 中文 naïve, done. Then more"
 
@@ -27,7 +27,7 @@ def continued(tok, prompt, output, k, stop=None, hold=0, chunk=3, min_tokens=0):
     """The client's text when the stream fails after output[:k] and the rest arrives in chunks."""
     sent = vllm_text(tok, prompt, output[:k])
     sent = sent[:len(sent) - hold] if hold else sent
-    text = MigratedText(decoder(tok), prompt, output[:k], sent, stop, min_tokens)
+    text = RouterText(decoder(tok), prompt, output[:k], sent, stop, min_tokens)
     kept_total, rest = k, output[k:]
     for i in range(0, len(rest), chunk):
         ids = rest[i:i + chunk]
@@ -84,8 +84,18 @@ def test_min_tokens_defers_the_stop_strings(tok):
 
 def test_a_stop_token_adds_no_text_and_a_client_text_we_cannot_place_is_not_sent_again(tok):
     prompt, output = tok.encode("Say it:"), tok.encode(" one two three")
-    text = MigratedText(decoder(tok), prompt, output[:1], vllm_text(tok, prompt, output[:1]), None)
+    text = RouterText(decoder(tok), prompt, output[:1], vllm_text(tok, prompt, output[:1]), None)
     out, kept = text.feed(output[1:], finished=True, token_stopped=True)
     assert out == vllm_text(tok, prompt + output[:1], output[1:-1]) and kept is None
-    strange = MigratedText(decoder(tok), prompt, output[:2], "something else", None)
+    strange = RouterText(decoder(tok), prompt, output[:2], "something else", None)
     assert strange.feed(output[2:], finished=True) == (vllm_text(tok, prompt + output[:2], output[2:]), None)
+
+
+def test_a_prompt_that_ends_inside_a_character_gets_its_output_text_alone(tok):
+    prompt, output = tok.encode("Say it: café"), tok.encode(" and more")
+    cut = next(k for k in range(1, len(prompt)) if tok.decode(prompt[:k]).endswith("\ufffd"))
+    assert ends_inside_character(decoder(tok), prompt[:cut]) and not ends_inside_character(decoder(tok), prompt)
+    assert vllm_text(tok, prompt[:cut], prompt[cut:] + output).startswith("Say it:")  # vLLM's: the prompt again
+    text = RouterText(decoder(tok), prompt[:cut], [])
+    out, kept = text.feed(prompt[cut:] + output, finished=True)
+    assert (out, kept) == (" and more", None)  # the character the prompt began ends in the prompt's text

@@ -1,16 +1,17 @@
-"""The text of a request after its decode migrated, made by the router (pure: a tokenizer's
-`decode`, no Ray, no vLLM).
+"""Output text the router makes itself, where vLLM's would be wrong (pure: a tokenizer's `decode`,
+no Ray, no vLLM).
 
-A migrated decode's new instance gets prompt + the tokens already sent as its prompt. Its own text
-cannot be relayed as it is:
-- vLLM primes its detokenizer with the prompt, and when the prompt ends inside a multi-byte
-  character, the first text it emits repeats the whole prompt (measured with vLLM alone: a
-  token-id prompt "Say it: caf" + the first byte of "é" gives "Say it: caf�36 object...");
-- text the failed engine held back is in nobody's output: the bytes of a character not yet
+vLLM primes its detokenizer with the prompt, and when the prompt ends inside a multi-byte
+character, the first text it emits repeats the whole prompt (measured with vLLM alone: the
+token-id prompt "Say it: caf" + the first byte of "é" gives "Say it: caf�36 object..."). Two
+prompts can end so:
+- a client's token-id prompt;
+- a migrated decode's: the new instance gets prompt + the tokens already sent. There, text the
+  failed engine held back is in nobody's output as well: the first bytes of a character not yet
   complete, and, for a request with stop strings, the last characters that could begin one.
-So after a migration the router detokenizes the tokens sent and everything after them itself, as
-vLLM's incremental detokenizer does, sends what the failed stream held back, and applies the stop
-strings (the new instance is given none: its text is not used).
+In both the router detokenizes the output itself, as vLLM's incremental detokenizer does (after a
+migration from the tokens already sent on, sending what the failed stream held back), and applies
+the stop strings: the engines are given none, their text is not used.
 """
 
 from __future__ import annotations
@@ -22,15 +23,22 @@ PROMPT_CONTEXT = 6  # prompt tokens decoded before the output: what a token's le
 REPLACEMENT = "\ufffd"  # what a decode gives for the bytes of a character not yet complete
 
 
-class MigratedText:
-    """Detokenizes a migrated request's output and applies its stop strings.
+def ends_inside_character(decode: Callable[[list[int]], str], prompt_ids: Sequence[int]) -> bool:
+    """Whether the prompt's last tokens end inside a multi-byte character (vLLM's text would be wrong)."""
+    return decode(list(prompt_ids[-PROMPT_CONTEXT:])).endswith(REPLACEMENT)
+
+
+class RouterText:
+    """Detokenizes a request's output and applies its stop strings.
 
     `decode(ids)` is the served model's tokenizer (special tokens skipped); `output_ids` are the
-    output tokens sent before the migration, `text_sent` their text as the client got it.
+    output tokens already sent (after a migration; else none), `text_sent` their text as the
+    client got it.
     """
 
     def __init__(self, decode: Callable[[list[int]], str], prompt_ids: Sequence[int], output_ids: Sequence[int],
-                 text_sent: str, stop: str | list[str] | None, min_tokens: int = 0) -> None:
+                 text_sent: str = "", stop: str | list[str] | None = None,
+                 min_tokens: int = 0) -> None:
         self._decode = decode
         self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
         self._prefix, self._read = 0, len(self._ids)  # vLLM's offsets: the text so far is decode(ids[prefix:read])
