@@ -29,7 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="model folder (default: the tiny offline model, built if missing)")
     p.add_argument("--dtype", action="append", help="engine dtype, repeatable (default: auto)")
     p.add_argument("--max-tokens", type=int, default=400)
-    p.add_argument("--cuts", type=int, nargs="+", default=[3, 5, 10, 50, 200], help="k: tokens kept before the recompute")
+    p.add_argument("--cuts", type=int, nargs="+", default=[3, 5, 10, 50, 200],
+                   help="k: tokens kept before the recompute")
     p.add_argument("--json", type=Path, help="also write the results here")
     a = p.parse_args(argv)
     if any(not 0 < k < a.max_tokens for k in a.cuts):

@@ -225,7 +225,8 @@ class Dispatcher:
         try:
             if alias_prompts is not None:
                 self._choose_model(f, alias_prompts)
-            if isinstance(getattr(f.req, "prompt", None), list) and ends_inside_character(_decoder(f.model), f.prompt_ids):
+            token_ids_prompt = isinstance(getattr(f.req, "prompt", None), list)
+            if token_ids_prompt and ends_inside_character(_decoder(f.model), f.prompt_ids):
                 f.router_text = _router_text(f)  # vLLM's text would start with the prompt's again
                 f.sampling = {k: v for k, v in f.sampling.items() if k != "stop"}  # applied by the router
             await self._route_and_admit(f)

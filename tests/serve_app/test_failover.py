@@ -10,9 +10,9 @@ The real `Router` runs in-process over stand-in engines that "decode greedily": 
 is a function of every token before it (prompt and output alike), as a model's greedy choice is.
 So a continuation built from the wrong prompt, or with the tokens so far counted wrong, gives a
 different answer than the uninterrupted run. Their text is the served tokenizer's, made as vLLM
-makes it (tests/factories.py `vllm_text`), its faults at a migration's seam included. The live proofs (an EngineCore killed by pid
-mid-stream; a client leaving before its first token, seen on the engines' own KV counters) are
-in tests/serve_app/test_faults.py.
+makes it (tests/factories.py `vllm_text`), its faults at a migration's seam included. The live
+proofs (an EngineCore killed by pid mid-stream; a client leaving before its first token, seen on
+the engines' own KV counters) are in tests/serve_app/test_faults.py.
 """
 
 from __future__ import annotations
