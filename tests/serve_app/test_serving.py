@@ -151,7 +151,8 @@ def test_a_request_hosted_on_the_prefill_engine_is_served_there_whole_with_the_s
 def test_streaming_chat_with_usage(client):
     set_policy(client, "marginal_cost")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Stream me some tokens"}],
-            "max_tokens": 20, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "max_tokens": 20, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
     chunks, done = [], False
     with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-SLO-Class": "tight"}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -164,6 +165,10 @@ def test_streaming_chat_with_usage(client):
     assert done
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert chunks[-1]["usage"]["completion_tokens"] == 20
+    # vLLM's places: the prompt's ids at the top of the first chunk, each chunk's own in its choice
+    assert len(chunks[0]["prompt_token_ids"]) == chunks[-1]["usage"]["prompt_tokens"]
+    assert not any("prompt_token_ids" in c for c in chunks[1:])
+    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks if c["choices"]) == 20
     assert [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] == "length"]
 
 
