@@ -378,10 +378,16 @@ def completion_body(rid: str, model: str, text: str, finish: str | None, usage: 
         body = {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": [choice], "usage": usage}
     if token_ids is not None:
-        prompt_ids, output_ids = token_ids
-        (body if chat else choice)["prompt_token_ids"] = list(prompt_ids)
-        choice["token_ids"] = list(output_ids)
+        _put_token_ids(body, choice, chat, *token_ids)
     return body
+
+
+def _put_token_ids(body: dict, choice: dict, chat: bool, prompt_ids, output_ids) -> None:
+    """Token ids where vLLM puts them: the output's in the choice; the prompt's (None: not in this
+    chunk) in the choice for completions, at the top for chat."""
+    if prompt_ids is not None:
+        (body if chat else choice)["prompt_token_ids"] = list(prompt_ids)
+    choice["token_ids"] = list(output_ids)
 
 
 def stream_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool, first: bool = False,
@@ -406,10 +412,7 @@ def stream_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
     if token_ids is not None and usage is None:
-        prompt_ids, output_ids = token_ids
-        if prompt_ids is not None:
-            (body if chat else choice)["prompt_token_ids"] = list(prompt_ids)
-        choice["token_ids"] = list(output_ids)
+        _put_token_ids(body, choice, chat, *token_ids)
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 

@@ -162,7 +162,8 @@ def stream_token_ids(events: Iterable[str]) -> tuple[list[int] | None, list[int]
         event = json.loads(data) if data != DONE else {}
         if event.get("choices"):
             choice = event["choices"][0]
-            prompt = choice.get("prompt_token_ids", prompt) if prompt is None else prompt
+            if prompt is None:
+                prompt = choice.get("prompt_token_ids")
             output += choice["token_ids"]
     return prompt, output
 

@@ -143,21 +143,28 @@ def _run(decode: _Decoders, stream: bool, **kw):
     return asyncio.run(scenario())
 
 
+def _first_fails_after(tokens: int) -> _Decoders:
+    """Two decode instances: whichever the policy picks first fails after `tokens` tokens; the
+    continuation runs to the end."""
+    decode = _Decoders(["d0", "d1"], failing=["d0", "d1"], fail_after=tokens)
+    streams = decode.decode_stream
+
+    def first_fails(call, replica):
+        s = streams(call, replica)
+        if len(decode.streams) > 1:
+            s.fail_after = None
+        return s
+    decode.decode_stream = first_fails
+    return decode
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_decode_failing_mid_stream_is_continued_elsewhere_with_the_same_answer(stream, tmp_path):
     plain = _Decoders(["d0", "d1"])
     status, clean, _, _ = _run(plain, stream)
     assert status == 200 and clean == plain.streams[0].text and plain.streams[0].sent == MAX_TOKENS
 
-    decode = _Decoders(["d0", "d1"], failing=["d0", "d1"], fail_after=4)
-    streams = decode.decode_stream
-
-    def first_fails(call, replica):  # whichever the policy picks fails; the continuation runs to the end
-        s = streams(call, replica)
-        if len(decode.streams) > 1:
-            s.fail_after = None
-        return s
-    decode.decode_stream = first_fails
+    decode = _first_fails_after(4)
     log = tmp_path / "requests.jsonl"
     status, text, error, counters = _run(decode, stream, log=log)
 
@@ -178,15 +185,7 @@ def test_a_decode_failing_mid_stream_is_continued_elsewhere_with_the_same_answer
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_the_token_ids_of_a_migrated_answer_are_the_prompt_and_every_token_once(stream):
-    decode = _Decoders(["d0", "d1"], failing=["d0", "d1"], fail_after=4)
-    streams = decode.decode_stream
-
-    def first_fails(call, replica):
-        s = streams(call, replica)
-        if len(decode.streams) > 1:
-            s.fail_after = None
-        return s
-    decode.decode_stream = first_fails
+    decode = _first_fails_after(4)
 
     async def scenario():
         r = await _router(decode)
