@@ -8,6 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.disagg-installed
+BUILT := $(VENV)/.disagg-built
 export DISAGG_TRACE_DIR ?= $(abspath data/traces)
 export RAY_USAGE_STATS_ENABLED := 0
 export RAY_AUTH_MODE := disabled
@@ -25,9 +26,14 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps "nixl==1.5.1"
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break transformers' imports
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-	touch $(STAMP)
+	touch $(STAMP) $(BUILT)
 
-install: $(STAMP)
+# the compiled engine model (setup.py), rebuilt whenever its source changes
+$(BUILT): $(STAMP) setup.py disagg/core/engine_model.py
+	$(PIP) install -q --no-deps -e .
+	touch $(BUILT)
+
+install: $(STAMP) $(BUILT)
 
 run: install
 	$(PY) -m serve_app.launch --config deployments/local.yaml

@@ -85,7 +85,7 @@ class Job:
 
 
 _NO_JOBS: tuple[()] = ()
-_NO_CHUNKS: tuple[()] = ()  # the prefill chunks of a step that only decodes
+_NO_CHUNKS: list[tuple[Job, int]] = []  # the prefill chunks of a step that only decodes: never appended to
 
 
 @dataclass(slots=True)
@@ -95,8 +95,9 @@ class StepOutcome:
     started: list[Job] = field(default_factory=list)  # whole jobs whose own prefill gave their first token
 
 
-# what a step in which no job prefilled or finished returns: one shared outcome, read only
-_QUIET_STEP = StepOutcome((), (), ())
+# what a step in which no job prefilled or finished returns: one shared outcome, never appended to
+# (`end_step` makes a new one for any step with something to report)
+_QUIET_STEP = StepOutcome([], [], [])
 
 
 class EngineModel:
