@@ -52,4 +52,4 @@ sim:
 		--policies round_robin,least_loaded,length_heuristic,marginal_cost,oracle,pair_cost
 
 clean:
-	rm -rf $(VENV) .cache build *.egg-info
+	rm -rf $(VENV) .cache build *.egg-info disagg/core/*.so disagg/core/compiled-sources.json

@@ -40,7 +40,10 @@ print(json.dumps({"requests_per_cpu_s": len(trace) / cpu, "goodput": summary["go
 def run(checkout: Path, trace: str, policy: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     out = subprocess.run([sys.executable, "-c", CHILD, trace, policy], cwd=checkout, env=env,
-                         check=True, capture_output=True, text=True)
+                         capture_output=True, text=True)
+    if out.returncode != 0:  # an older checkout may not know the policy, say
+        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"{checkout}: the simulation failed: {last}")
     return json.loads(out.stdout)
 
 
@@ -67,13 +70,14 @@ def main() -> None:
             r = run(c.resolve(), trace, args.policy)
             rates[str(c)].append(r["requests_per_cpu_s"])
             runs[str(c)] = r
-    first = str(args.checkouts[0])
+    names = list(rates)
     result = {
         "policy": args.policy, "rounds": args.rounds,
-        "checkouts": {c: {"requests_per_cpu_s": spread(v), "engine_model": runs[c]["engine_model"],
+        "checkouts": {c: {"requests_per_cpu_s": spread(v), "per_round": v, "engine_model": runs[c]["engine_model"],
                           "goodput": runs[c]["goodput"]} for c, v in rates.items()},
-        # each checkout's rate over the first one's, round by round
-        f"ratio_to_{first}": {c: spread([x / y for x, y in zip(v, rates[first])]) for c, v in rates.items() if c != first},
+        # each checkout's rate over every earlier one's, round by round
+        "paired_ratios": {f"{b} / {a}": spread([x / y for x, y in zip(rates[b], rates[a])])
+                          for i, a in enumerate(names) for b in names[i + 1:]},
     }
     print(json.dumps(result, indent=2))
     if args.json:
