@@ -1,7 +1,7 @@
-"""Builds the engine model as a C extension (mypyc): the simulator and the TTFT estimator run it
-about 1.2–1.5× faster. The Python module stays the source; the extension is built from it, beside
-it, and shadows it on import. `DISAGG_NO_COMPILE=1` installs without a C compiler (everything runs,
-the simulator slower).
+"""Builds the engine model as a C extension (mypyc), which the simulator and the TTFT estimator run
+(the simulator 1.2–1.3× faster: docs/results.md). The Python module stays the source; the extension
+is built from it, beside it, and shadows it on import. `DISAGG_NO_COMPILE=1` installs without a C
+compiler (everything runs, the simulator slower).
 
 Each compiled source's digest is written beside it; `disagg.core.compiled` checks it at import, so
 an editable install whose source changed after the build fails loudly instead of running old code.
