@@ -19,9 +19,8 @@ class StaleBuild(ImportError):
     pass
 
 
-def stale_sources(directory: Path | None = None) -> list[str]:
+def stale_sources(directory: Path = HERE) -> list[str]:
     """The sources in `directory` whose compiled extension was built from other content."""
-    directory = HERE if directory is None else directory
     digests_file = directory / DIGESTS.name
     if not digests_file.exists():
         return []
@@ -35,8 +34,8 @@ def stale_sources(directory: Path | None = None) -> list[str]:
     return stale
 
 
-def check_compiled_sources() -> None:
-    stale = stale_sources()
+def check_compiled_sources(directory: Path = HERE) -> None:
+    stale = stale_sources(directory)
     if stale:
-        raise StaleBuild(f"{', '.join(str(HERE / s) for s in stale)} changed since it was compiled, so the old "
+        raise StaleBuild(f"{', '.join(str(directory / s) for s in stale)} changed since it was compiled, so the old "
                          f"code would run: rebuild with `make install` (or `pip install --no-deps -e .`)")
