@@ -185,7 +185,7 @@ async def engine_request(P, D, rid: str, ids: list[int], tokens: int) -> Result:
 
 def raylm_llm_config(model_path: str, engine_cpus: float = 0.5) -> dict:
     """One LLMConfig for Ray Serve LLM on this CPU machine (CPU-STACK.md), engine settings as ours."""
-    from serve_app.engine import nixl_reserved_cpus
+    from serve_app.engine_args import nixl_reserved_cpus
 
     env = {
         # the two CPU tunings: OpenMP on the core NixlConnector pins the worker to; the NIXL agent
@@ -361,7 +361,8 @@ async def bench(args, systems: list[str], labels: dict[str, str]) -> dict:
     try:
         if "B" in systems:
             from disagg.core.types import Role
-            from serve_app.engine import EngineSpec, VllmEngine
+            from serve_app.engine import VllmEngine
+            from serve_app.engine_args import EngineSpec
             from serve_app.ports import claim_port
             from serve_app.tiny_model import build_tiny_model
 

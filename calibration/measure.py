@@ -17,8 +17,12 @@ held-out check.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
+import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -70,6 +74,34 @@ def ladder(shortest: int, top: int, ratio: float) -> tuple[int, ...]:
     return tuple(sorted({*out, top}))
 
 
+class GpuShortage(RuntimeError):
+    """Fewer GPUs visible than the two calibration engines span."""
+
+
+def visible_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The GPUs this process may use: `CUDA_VISIBLE_DEVICES` when set, else what `nvidia-smi -L`
+    lists (none without a driver)."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def gpu_assignment(visible: Sequence[str], prefill_tp: int, decode_tp: int) -> tuple[str, str]:
+    """`CUDA_VISIBLE_DEVICES` of the prefill and the decode engine: disjoint sets of `prefill_tp` and
+    `decode_tp` visible GPUs, so the two engines started by one process do not both take GPU 0."""
+    need = prefill_tp + decode_tp
+    if len(visible) < need:
+        raise GpuShortage(f"calibrating on GPUs starts a prefill and a decode engine ({prefill_tp} + {decode_tp} "
+                          f"GPUs) on this machine, which has {len(visible)} visible; run it on a GPU node with "
+                          f"{need}, or calibrate the running app instead: disagg calibrate --live --url "
+                          "http://127.0.0.1:8000 --out runs/fleet.yaml --apply")
+    return ",".join(visible[:prefill_tp]), ",".join(visible[prefill_tp:need])
+
+
 @dataclass(slots=True)
 class Result:
     measurements: Measurements
@@ -98,9 +130,13 @@ class Calibrator:
 
         t0 = time.perf_counter()
         host = "127.0.0.1"
+        devices: tuple[str | None, str | None] = (None, None)
+        if self.cfg.engine.device == "cuda":
+            devices = gpu_assignment(visible_gpus(), self.cfg.pool_of(Role.PREFILL).tensor_parallel_size,
+                                     self.cfg.pool_of(Role.DECODE).tensor_parallel_size)
         ports = [claim_port(host, self.cfg.engine.side_channel_ports) for _ in range(2)]
-        P = VllmEngine(engine_spec(self.cfg, Role.PREFILL, host, ports[0].port))
-        D = VllmEngine(engine_spec(self.cfg, Role.DECODE, host, ports[1].port))
+        P, D = (VllmEngine(dataclasses.replace(engine_spec(self.cfg, role, host, claim.port), visible_devices=gpus))
+                for role, claim, gpus in zip((Role.PREFILL, Role.DECODE), ports, devices))
         started = []
         try:
             for e in (P, D):

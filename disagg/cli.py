@@ -16,7 +16,7 @@ from typing import Sequence
 
 from disagg.core.cost_model import CostModelError, load_profile
 from disagg.core.policies import PolicyError, known_policies
-from disagg.core.types import SloClass
+from disagg.core.types import Role, SloClass
 from disagg.files import json_safe, write_json_atomic
 from disagg.sim import studies
 from disagg.sim.simulator import Topology
@@ -362,7 +362,9 @@ def cmd_calibrate_engines(args) -> int:
     import statistics
 
     from calibration.fit import CalibrationError, fit_cost_model, held_out_error, serving_overhead
-    from calibration.measure import SERVING_PROBE_TOKENS, Calibrator, Plan, serving_path_gaps
+    from calibration.measure import (
+        SERVING_PROBE_TOKENS, Calibrator, GpuShortage, Plan, gpu_assignment, serving_path_gaps, visible_gpus,
+    )
     from serve_app.config import ConfigError, load_serve_config
 
     try:
@@ -380,6 +382,12 @@ def cmd_calibrate_engines(args) -> int:
     else:
         cfg = apps[0][1]
     out = Path(args.out)
+    if cfg.engine.device == "cuda":  # refused before anything starts: two engines on one GPU fail late
+        try:
+            gpu_assignment(visible_gpus(), cfg.pool_of(Role.PREFILL).tensor_parallel_size,
+                           cfg.pool_of(Role.DECODE).tensor_parallel_size)
+        except GpuShortage as e:
+            raise UsageError(str(e)) from None
     if args.url is not None:
         _check_reachable(args.url.rstrip("/"))
     if args.url_requests < 3:
@@ -437,7 +445,9 @@ def cmd_check_config(args) -> int:
     except ConfigError as e:
         raise UsageError(str(e)) from None
     for name, cfg in apps:
-        pools = " + ".join(f"{pool.num_replicas} {role}" for role, pool in cfg.pools().items())
+        pools = " + ".join(f"{pool.num_replicas} {role}" + (f" (TP {pool.tensor_parallel_size})"
+                                                             if pool.tensor_parallel_size > 1 else "")
+                           for role, pool in cfg.pools().items())
         cm = cfg.router.cost_model
         cm = f"{cm.get('name', '?')} (inline)" if isinstance(cm, dict) else cm
         print(f"{args.config}: application {name!r} ok: {pools} on {cfg.engine.device}, model {cfg.model.source}, "

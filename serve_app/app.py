@@ -19,11 +19,26 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from disagg.core.types import Role
-from serve_app.config import AppConfig, ConfigError, MultiModelConfig, PoolConfig, RouterSettings, parse_args
+from serve_app.config import (
+    POOL_ROLES, AppConfig, ConfigError, MultiModelConfig, PoolConfig, RouterSettings, parse_args,
+)
 from serve_app.engine_server import EngineServer
 from serve_app.router import Router
 
 PINNED_ROUTER = "serve_app.pinned_router:PinnedReplicaRouter"
+
+
+def placement(pool: PoolConfig) -> dict:
+    """A GPU replica reserves what its engine needs as one placement-group bundle on one node: its
+    CPUs, its custom resources and all `tensor_parallel_size` GPUs, atomically (a half-placed
+    tensor-parallel engine would hold GPUs it cannot use). The replica actor takes the whole bundle,
+    so Ray sets `CUDA_VISIBLE_DEVICES` to those GPUs, and vLLM's workers, spawned by the engine,
+    inherit it. CPU pools need none: they take fractions of cores."""
+    if not pool.num_gpus:
+        return {}
+    bundle = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
+    return {"placement_group_bundles": [{k: v for k, v in bundle.items() if v}],
+            "placement_group_strategy": "STRICT_PACK"}
 
 
 def _pool_options(name: str, pool: PoolConfig, access_log: bool) -> dict:
@@ -33,6 +48,7 @@ def _pool_options(name: str, pool: PoolConfig, access_log: bool) -> dict:
         "ray_actor_options": {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus,
                               "runtime_env": {"env_vars": dict(pool.env)} if pool.env else {},
                               **({"resources": dict(pool.resources)} if pool.resources else {})},
+        **placement(pool),
         "request_router_config": RequestRouterConfig(request_router_class=PINNED_ROUTER),
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
@@ -46,10 +62,6 @@ def _pool_options(name: str, pool: PoolConfig, access_log: bool) -> dict:
     else:
         opts["num_replicas"] = pool.num_replicas
     return opts
-
-
-# pool name in the config → the role its engines play
-POOL_ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE, "colocated": Role.BOTH}
 
 
 def _engine_pools(cfg: AppConfig, prefix: str = "") -> dict[str, serve.Application]:

@@ -33,9 +33,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from disagg.core.policies import PolicyError, build_policy
 from disagg.core.cost_model import CostModel, CostModelError, load_profile
 from disagg.core.planner import PlannerConfig
-from disagg.core.types import SloClass
+from disagg.core.types import Role, SloClass
 from disagg.core.utility import AccuracyTable, EvaluationError, ModelPrices
 from disagg.core.yaml_errors import explain, line_of, read_yaml, yaml_root
+from serve_app.engine_args import KV_CONNECTORS, NIXL_BACKENDS, RESERVED_ENGINE_KWARGS, EngineSpec
+
+SPEC_FIELDS = frozenset(EngineSpec.__dataclass_fields__) - {"engine_kwargs", "role"}
+_ONE_ENGINE = "one replica is one engine: no pipeline or data parallelism inside it"
+_ENGINE_KWARGS_HINTS = {
+    "tensor_parallel_size": "use the pool's tensor_parallel_size, with num_gpus to match",
+    "kv_transfer_config": "use engine.kv_transfer", "kv_connector": "use engine.kv_transfer.connector",
+    "kv_buffer_device": "use engine.kv_transfer.buffer_device", "stat_loggers": "the engine replica sets them",
+    "pipeline_parallel_size": _ONE_ENGINE, "data_parallel_size": _ONE_ENGINE,
+    "distributed_executor_backend": "tensor-parallel workers run as processes of the replica",
+}
 
 
 class _Strict(BaseModel):
@@ -58,6 +69,35 @@ class ModelConfig(_Strict):
                         "'tiny:small' for the offline tiny models built on first use")
     served_name: str = Field(description="the `model` name clients send and /v1/models lists")
     max_model_len: int = Field(default=2048, gt=0, description="context window: prompt + max_tokens")
+
+
+class KvTransferSettings(_Strict):
+    """How KV moves between engines (`engine.kv_transfer`); see serve_app.engine_args."""
+
+    connector: Literal["pull", "push"] = Field(
+        default="pull", description="'pull': vLLM's NixlConnector, the decode engine READs the blocks; 'push': "
+        "NixlPushConnector, the prefill engine WRITEs them (the fast direction over cuda_ipc, i.e. GPUs of "
+        "one node without RDMA)")
+    buffer_device: Literal["cpu", "cuda"] | None = Field(
+        default=None, description="where NIXL's transfer buffers live; default: engine.device. 'cpu' on GPUs "
+        "stages every transfer through host memory (for GPUs whose memory NIXL cannot register)")
+    backends: tuple[str, ...] = Field(default=("UCX",), min_length=1, description="NIXL backends")
+    ucx_tls: str | None = Field(default=None, min_length=1, description="UCX_TLS for the engines' NIXL agents, "
+                                "e.g. 'cuda_ipc,cuda_copy,rc,tcp'; default: UCX chooses")
+    ucx_net_devices: str | None = Field(default=None, min_length=1, description="UCX_NET_DEVICES, e.g. "
+                                        "'mlx5_0:1'; default: UCX chooses")
+
+    @field_validator("backends")
+    @classmethod
+    def _known_backends(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for b in v:
+            if b not in NIXL_BACKENDS:
+                raise ValueError(f"unknown NIXL backend {b!r}; allowed: {', '.join(NIXL_BACKENDS)}")
+        return v
+
+    @property
+    def vllm_connector(self) -> str:
+        return KV_CONNECTORS[0] if self.connector == "pull" else KV_CONNECTORS[1]
 
 
 class EngineConfig(_Strict):
@@ -83,6 +123,7 @@ class EngineConfig(_Strict):
                                          "to this, so the token path's message rate stays flat")
     stream_interval_s: float = Field(default=0.02, ge=0.0, le=1.0, description="after the first token, stream "
                                      "tokens in batches at most this often (0 = every token alone)")
+    kv_transfer: KvTransferSettings = Field(default_factory=KvTransferSettings)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra vLLM AsyncEngineArgs fields")
     access_log: bool = Field(default=False, description="Serve's access-log line for every call an engine "
                              "replica serves, state polls included (20 lines/s per replica): for debugging")
@@ -101,7 +142,21 @@ class EngineConfig(_Strict):
             raise ValueError("device 'cpu' needs kv_cache_memory_bytes (else vLLM reserves 90% of host RAM)")
         if self.device == "cpu" and self.gpu_memory_utilization is not None:
             raise ValueError("gpu_memory_utilization does not apply to device 'cpu'; use kv_cache_memory_bytes")
+        if self.device == "cpu" and self.kv_transfer.buffer_device == "cuda":
+            raise ValueError("kv_transfer.buffer_device 'cuda' needs engine.device 'cuda'")
         return self
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _kwargs_we_set(cls, v: dict[str, Any]) -> dict[str, Any]:
+        clash = sorted(set(v) & (RESERVED_ENGINE_KWARGS | SPEC_FIELDS))
+        if clash:
+            hint = _ENGINE_KWARGS_HINTS.get(clash[0], "use the engine or pool field of that name")
+            raise ValueError(f"{clash[0]}: set by the config, not engine_kwargs ({hint})")
+        return v
+
+    def kv_buffer_device(self) -> str:
+        return self.kv_transfer.buffer_device or self.device
 
 
 PLANNER_POLICY = "serve_app.autoscale:planned_replicas"  # Serve's custom autoscaling policy for `policy: planner`
@@ -141,7 +196,10 @@ class PoolConfig(_Strict):
     num_replicas: int = Field(default=1, ge=1, description="pool width (initial width with autoscaling)")
     autoscaling: AutoscalingConfig | None = None
     num_cpus: float = Field(default=1.0, ge=0)
-    num_gpus: float = Field(default=0.0, ge=0)
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica: its engine's tensor_parallel_size")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs one engine of this pool spans (vLLM's "
+                                      "tensor parallelism, inside one node); the replica reserves them as one "
+                                      "placement-group bundle, and routing treats the engine as one instance")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources each replica "
                                         "needs, e.g. {decode_node: 1}: pins the pool to the nodes that offer them")
     max_ongoing_requests: int = Field(default=1024, gt=0, description="the engine queues; Serve should not")
@@ -248,6 +306,10 @@ class RouterConfig(RouterSettings):
         return [n for n, p in pools.items() if p.autoscaling is not None and p.autoscaling.policy == "planner"]
 
 
+# pool name in the config → the role its engines play
+POOL_ROLES = {"prefill": Role.PREFILL, "decode": Role.DECODE, "colocated": Role.BOTH}
+
+
 class AppConfig(_Strict):
     """One model: its engines in a disaggregated (`prefill` + `decode`) or a `colocated` layout."""
 
@@ -279,6 +341,14 @@ class AppConfig(_Strict):
             return {"colocated": self.colocated}
         return {"prefill": self.prefill, "decode": self.decode}
 
+    def pool_of(self, role: Role) -> PoolConfig:
+        """The pool whose engines serve `role`: a colocated pool serves every role."""
+        if self.colocated is not None:
+            return self.colocated
+        if role is Role.BOTH:
+            raise ValueError("a disaggregated app has no colocated pool")
+        return self.prefill if role is Role.PREFILL else self.decode
+
     @model_validator(mode="after")
     def _cross_field(self) -> "AppConfig":
         if self.colocated is not None and (self.prefill is not None or self.decode is not None):
@@ -289,10 +359,7 @@ class AppConfig(_Strict):
                     raise ValueError(f"{name}: missing (a disaggregated app needs prefill and decode pools; "
                                      "or give one 'colocated' pool instead)")
         for name, pool in self.pools().items():
-            if self.engine.device == "cuda" and pool.num_gpus < 1:
-                raise ValueError(f"{name}.num_gpus must be >= 1 with engine.device 'cuda' (one GPU per engine)")
-            if self.engine.device == "cpu" and pool.num_gpus:
-                raise ValueError(f"{name}.num_gpus must be 0 with engine.device 'cpu'")
+            _check_pool_devices(name, pool, self.engine.device)
         try:
             cm = load_cost_model(self.router.cost_model)
         except CostModelError as e:
@@ -313,6 +380,20 @@ class AppConfig(_Strict):
             raise ValueError(f"router.policy {self.router.policy!r} needs a prefill pool; a colocated pool is "
                              "routed with policy 'colocated'")
         return self
+
+
+def _check_pool_devices(name: str, pool: PoolConfig, device: str) -> None:
+    """A replica gets exactly the GPUs its engine spans: fewer and vLLM fails at start, more lie idle."""
+    tp = pool.tensor_parallel_size
+    if device == "cuda" and pool.num_gpus != tp:
+        if pool.num_gpus < tp:
+            raise ValueError(f"{name}.tensor_parallel_size {tp} is more than the {pool.num_gpus:g} GPUs each replica "
+                             f"gets ({name}.num_gpus): set num_gpus: {tp}")
+        raise ValueError(f"{name}.num_gpus {pool.num_gpus:g} with tensor_parallel_size {tp}: an engine uses exactly "
+                         f"tensor_parallel_size GPUs (set num_gpus: {tp}, or tensor_parallel_size to the GPUs it "
+                         "should span)")
+    if device == "cpu" and pool.num_gpus:
+        raise ValueError(f"{name}.num_gpus must be 0 with engine.device 'cpu'")
 
 
 # --- several models behind one endpoint ------------------------------------------------------

@@ -58,17 +58,20 @@ benchmarks both drive. vLLM is imported lazily, in `start()`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from disagg.core.types import Role
+from serve_app.engine_args import EngineSpec, engine_env, engine_kwargs, on_cpu_platform
 from serve_app.messages import InvalidRequest, TokenLogprob
 
 if TYPE_CHECKING:  # vLLM is heavy and only needed once an engine starts
@@ -82,7 +85,6 @@ SAMPLING_KEYS = frozenset({
     "repetition_penalty", "logit_bias", "min_tokens", "stop", "stop_token_ids", "seed", "ignore_eos",
     "logprobs", "structured_outputs", "n"})
 DECODE_ONLY_KEYS = frozenset({"stop", "stop_token_ids", "min_tokens", "logprobs", "structured_outputs"})
-KV_BUFFER_DEVICES = ("cpu", "cuda")
 
 # Serialises environment mutation + EngineCore spawn across engines of one process.
 _START_LOCK = threading.Lock()
@@ -91,56 +93,6 @@ _START_LOCK = threading.Lock()
 # --------------------------------------------------------------------------------------------
 # Records
 # --------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class EngineSpec:
-    """Everything needed to start one engine. Validated on construction.
-
-    Memory: on the CPU platform give `kv_cache_memory_bytes` (vLLM would otherwise reserve
-    `gpu_memory_utilization` = 90 % of *host RAM*); on GPUs give either. Not both.
-    """
-
-    model: str  # a local folder (e.g. build_tiny_model()) or a model name
-    role: Role = Role.BOTH
-    kv_buffer_device: Literal["cpu", "cuda"] = "cpu"
-    side_channel_port: int = 5600  # NIXL handshake port; unique per engine on a host
-    side_channel_host: str = "127.0.0.1"  # the address peers reach this engine's side channel on
-    max_model_len: int = 2048
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # None: vLLM's default for the platform
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float | None = None
-    block_size: int | None = None  # None: vLLM's default for the platform
-    enforce_eager: bool = True
-    seed: int = 0
-    # CPU only: OpenMP core binding; None = the core(s) NixlConnector pins the worker to.
-    cpu_omp_threads_bind: str | None = None
-    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # extra AsyncEngineArgs fields
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.role, Role):
-            try:
-                object.__setattr__(self, "role", Role(self.role))
-            except ValueError:
-                raise ValueError(f"unknown role {self.role!r}; allowed: "
-                                 f"{', '.join(r.value for r in Role)}") from None
-        if self.kv_buffer_device not in KV_BUFFER_DEVICES:
-            raise ValueError(f"unknown kv_buffer_device {self.kv_buffer_device!r}; "
-                             f"allowed: {', '.join(KV_BUFFER_DEVICES)}")
-        if not 1 <= self.side_channel_port <= 65535:
-            raise ValueError(f"side_channel_port {self.side_channel_port} is not a TCP port")
-        if self.kv_cache_memory_bytes is not None and self.gpu_memory_utilization is not None:
-            raise ValueError("give kv_cache_memory_bytes or gpu_memory_utilization, not both "
-                             f"(got {self.kv_cache_memory_bytes} and {self.gpu_memory_utilization})")
-        for name in ("max_model_len", "max_num_seqs"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        reserved = {"kv_transfer_config", "stat_loggers"} | {
-            f for f in type(self).__dataclass_fields__ if f not in ("engine_kwargs", "role")}
-        clash = reserved & set(self.engine_kwargs)
-        if clash:
-            raise ValueError(f"engine_kwargs may not set {sorted(clash)}: use the EngineSpec fields")
-
 
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
@@ -189,62 +141,6 @@ class EngineState:
 # Environment
 # --------------------------------------------------------------------------------------------
 
-def nixl_reserved_cpus() -> list[int]:
-    """The cores vLLM's NixlConnector pins a CPU worker to: the highest core of each NUMA node.
-
-    Mirrors `CpuPlatform.discover_numa_topology` + `NixlConnectorWorker.__init__` (vLLM 0.32)
-    without importing vLLM. Falls back to the highest core this process may run on.
-    """
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    cores: list[int] = []
-    node_root = "/sys/devices/system/node"
-    try:
-        nodes = sorted(n for n in os.listdir(node_root) if n.startswith("node") and n[4:].isdigit())
-    except OSError:
-        nodes = []
-    for node in nodes:
-        cpus = [int(c[3:]) for c in os.listdir(f"{node_root}/{node}")
-                if c.startswith("cpu") and c[3:].isdigit()]
-        if cpus:
-            cores.append(max(cpus))
-    if not cores and allowed:
-        cores = [allowed[-1]]
-    return sorted(cores)
-
-
-def _on_cpu_platform() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
-def engine_env(spec: EngineSpec, *, cpu_platform: bool | None = None) -> dict[str, str]:
-    """Environment variables to set before creating the engine of `spec` (start() does it).
-
-    * `VLLM_NIXL_SIDE_CHANNEL_PORT` / `_HOST`: where this engine's NIXL handshake listens; peers
-      learn it from `kv_transfer_params` (`remote_host`, `remote_port`).
-    * CPU platform only: `VLLM_CPU_OMP_THREADS_BIND` = the core(s) NixlConnector pins the worker
-      to (see `serve_app.vllm_plugin` for why: without it, ~100x slower), unless the spec sets
-      `cpu_omp_threads_bind`.
-    `cpu_platform=None` asks vLLM which platform this is (imports vLLM).
-    Not returned but enforced by start(): a `VLLM_CPU_KVCACHE_SPACE` inherited from the parent
-    environment is removed while the engine starts if the spec sets `kv_cache_memory_bytes`
-    (vLLM would let the legacy variable override it).
-    """
-    env = {
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.side_channel_host,
-    }
-    if cpu_platform is None:
-        cpu_platform = _on_cpu_platform()
-    if cpu_platform:
-        bind = spec.cpu_omp_threads_bind
-        if bind is None:
-            bind = ",".join(str(c) for c in nixl_reserved_cpus())
-        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    return env
-
-
 @contextmanager
 def _scoped_env(overrides: Mapping[str, str | None]):
     """Set (or, for None, unset) variables for the duration of the block, then restore."""
@@ -262,6 +158,19 @@ def _scoped_env(overrides: Mapping[str, str | None]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+RUNTIME_DIR_VAR = "DISAGG_RUNTIME_DIR"
+
+
+def make_runtime_dir() -> str:
+    """A private folder for one engine's IPC sockets, under `$DISAGG_RUNTIME_DIR` (a launcher's own
+    folder, removed at its stop) or the system temp folder. vLLM names a socket per engine start
+    and never removes it; a folder per engine goes with the engine."""
+    parent = os.environ.get(RUNTIME_DIR_VAR) or None
+    if parent is not None:
+        os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix="vllm-engine-", dir=parent)
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,6 +253,7 @@ class VllmEngine:
     def __init__(self, spec: EngineSpec, *, stat_loggers: Sequence[Any] = ()) -> None:
         """`stat_loggers`: extra vLLM stat logger factories (e.g. Ray metrics), passed through."""
         self.spec = spec
+        self._owned_runtime_dir: str | None = None  # made by start() when the spec names none
         self._extra_stat_loggers = list(stat_loggers)
         self._llm: AsyncLLM | None = None
         self._stats = _StatsRecorder()
@@ -364,11 +274,18 @@ class VllmEngine:
         # futures outlive the call and would keep the AsyncLLM alive after shutdown(). If start()
         # is cancelled (e.g. a replica start-up timeout) while the thread still builds the engine,
         # whichever side comes second shuts the orphan down, so no EngineCore process is leaked.
+        if self.spec.runtime_dir is None:
+            self._owned_runtime_dir = make_runtime_dir()
+            self.spec = dataclasses.replace(self.spec, runtime_dir=self._owned_runtime_dir)
         box = _Handover()
         try:
             await asyncio.to_thread(self._create, box)
         except asyncio.CancelledError:
             box.abandon()
+            self._remove_runtime_dir()
+            raise
+        except Exception:
+            self._remove_runtime_dir()
             raise
         self._llm = box.take()
         cache = self._llm.vllm_config.cache_config
@@ -386,29 +303,12 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         spec = self.spec
-        cpu = _on_cpu_platform()
+        cpu = on_cpu_platform()
         if cpu and spec.kv_cache_memory_bytes is None and spec.gpu_memory_utilization is None:
             raise ValueError("on the CPU platform set EngineSpec.kv_cache_memory_bytes (otherwise "
                              "vLLM reserves 90% of host RAM for one engine's KV cache)")
-        kwargs: dict[str, Any] = dict(
-            model=spec.model,
-            max_model_len=spec.max_model_len,
-            max_num_seqs=spec.max_num_seqs,
-            enforce_eager=spec.enforce_eager,
-            seed=spec.seed,
-            # Our stat logger replaces vLLM's periodic log lines; stats stay enabled for it.
-            disable_log_stats=True,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="NixlConnector",
-                kv_role="kv_both",
-                kv_buffer_device=spec.kv_buffer_device,
-            ),
-        )
-        for name in ("max_num_batched_tokens", "kv_cache_memory_bytes",
-                     "gpu_memory_utilization", "block_size"):
-            if (value := getattr(spec, name)) is not None:
-                kwargs[name] = value
-        kwargs.update(spec.engine_kwargs)
+        kwargs = engine_kwargs(spec)
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
         args = AsyncEngineArgs(**kwargs)
 
         env: dict[str, str | None] = dict(engine_env(spec, cpu_platform=cpu))
@@ -435,6 +335,7 @@ class VllmEngine:
         """Stop the engine and its EngineCore process. Safe to call twice."""
         llm, self._llm = self._llm, None
         if llm is None:
+            self._remove_runtime_dir()
             return
         # Synchronous (~5 s of process joins). Run off-loop, vLLM's output handler would see the
         # engine die under it and log EngineDeadError tracebacks.
@@ -443,6 +344,12 @@ class VllmEngine:
         # where that second call fails noisily on half-torn-down module globals.
         del llm
         gc.collect()
+        self._remove_runtime_dir()
+
+    def _remove_runtime_dir(self) -> None:
+        if self._owned_runtime_dir is not None:
+            shutil.rmtree(self._owned_runtime_dir, ignore_errors=True)
+            self._owned_runtime_dir = None
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -737,7 +644,4 @@ def _token_logprobs(token_ids: Sequence[int], logprobs: Any, top_n: int) -> tupl
     return tuple(out)
 
 
-__all__ = [
-    "EngineSpec", "EngineState", "PrefillResult", "TokenChunk", "VllmEngine",
-    "engine_env", "nixl_reserved_cpus", "SAMPLING_KEYS",
-]
+__all__ = ["SAMPLING_KEYS", "EngineState", "PrefillResult", "TokenChunk", "VllmEngine"]

@@ -41,7 +41,8 @@ from disagg.core.ledger import AdmittedWork
 from disagg.core.types import Role
 from serve_app.autoscale import PLANNED_WIDTH
 from serve_app.config import AppConfig
-from serve_app.engine import EngineSpec, RequestAborted, VllmEngine
+from serve_app.engine import RequestAborted, VllmEngine
+from serve_app.engine_args import EngineSpec
 from serve_app.messages import (
     DecodeCall, DecodeChunk, EngineStateReport, InvalidRequest, PrefillCall, PrefillReply, ProbeCall, ProbeKind,
     ProbeReply,
@@ -62,11 +63,17 @@ def resolve_model(source: str) -> str:
 
 
 def engine_spec(cfg: AppConfig, role: Role, side_channel_host: str, port: int) -> EngineSpec:
+    """The engine one replica of `role`'s pool starts: a pure function of the config (golden-tested)."""
     e = cfg.engine
+    kv = e.kv_transfer
     return EngineSpec(
         model=resolve_model(cfg.model.source),
         role=role,
-        kv_buffer_device=e.device,
+        kv_buffer_device=e.kv_buffer_device(),
+        kv_connector=kv.vllm_connector,
+        nixl_backends=kv.backends,
+        ucx_tls=kv.ucx_tls,
+        ucx_net_devices=kv.ucx_net_devices,
         side_channel_port=port,
         side_channel_host=side_channel_host,
         max_model_len=cfg.model.max_model_len,
@@ -75,6 +82,7 @@ def engine_spec(cfg: AppConfig, role: Role, side_channel_host: str, port: int) -
         kv_cache_memory_bytes=e.kv_cache_memory_bytes,
         gpu_memory_utilization=e.gpu_memory_utilization,
         block_size=e.block_size,
+        tensor_parallel_size=cfg.pool_of(role).tensor_parallel_size,
         enforce_eager=e.enforce_eager,
         seed=e.seed,
         engine_kwargs=e.engine_kwargs,

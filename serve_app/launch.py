@@ -37,6 +37,7 @@ from pathlib import Path
 import yaml
 
 from serve_app.config import ConfigError, load_serve_config
+from serve_app.engine import RUNTIME_DIR_VAR
 
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -194,21 +195,26 @@ class LocalStack:
                             "--node-ip-address=127.0.0.1", "--include-dashboard=true",
                             "--dashboard-host=127.0.0.1", "--disable-usage-stats",
                             f"--metrics-export-port={METRICS_PORT}", *_resources_arg(nodes[0])],
-                           env={**_env(), STACK_ID_VAR: self.stack_id}, check=True, capture_output=True,
-                           timeout=180)
+                           env=self._ray_env(), check=True, capture_output=True, timeout=180)
             for n, resources in enumerate(nodes[1:], start=1):
                 self.log(f"starting a Ray worker node on 127.0.0.1 offering {sorted(resources)} ...")
                 subprocess.run([sys.executable, "-c", _RAY_JOIN_ON_LOOPBACK, "start", f"--address={RAY_ADDRESS}",
                                 f"--num-cpus={self.num_cpus}", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
                                 f"--object-store-memory={WORKER_OBJECT_STORE_BYTES}",
                                 f"--dashboard-agent-listen-port={DASHBOARD_AGENT_PORT + n}", *_resources_arg(resources)],
-                               env={**_env(), STACK_ID_VAR: self.stack_id, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"},
+                               env={**self._ray_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"},
                                check=True, capture_output=True, timeout=180)
         self.log(f"deploying {self.config} ...")
         # `serve run` talks to the cluster (GCS), not to the dashboard's REST API
         self.deployed = True  # from here on, teardown owns the app and its engines
         self._serve_run(self.config)
         self.wait_ready()
+
+    def _ray_env(self) -> dict[str, str]:
+        """What every process of this stack's Ray inherits: its stack id, and its runtime folder, under
+        which each engine keeps its IPC sockets (removed with the folder at stop, even an engine's that
+        was killed)."""
+        return {**_env(), STACK_ID_VAR: self.stack_id, RUNTIME_DIR_VAR: str(runtime_dir(self.stack_id))}
 
     def _prepare_models(self, apps=None) -> None:
         """Build the offline tiny models once here, rather than in every engine replica at once."""
@@ -344,13 +350,20 @@ class LocalStack:
         self._ray_stop(left())
 
     def _ray_stop(self, timeout_s: float) -> None:
-        """`ray stop` (every node of this machine) if this stack started Ray."""
+        """`ray stop` (every node of this machine) and the runtime folder, if this stack started Ray."""
         if self.started_ray:
             try:
                 subprocess.run([_bin("ray"), "stop", "--force"], env=_env(), capture_output=True, timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 self.log("ray stop timed out")
             self.started_ray = False
+            if self.stack_id is not None:
+                shutil.rmtree(runtime_dir(self.stack_id), ignore_errors=True)
+
+
+def runtime_dir(stack_id: str) -> Path:
+    """The folder of one stack's engine runtime files (vLLM's IPC sockets)."""
+    return Path(tempfile.gettempdir()) / f"disagg-{stack_id}"
 
 
 def node_resources(apps) -> list[dict[str, float]]:

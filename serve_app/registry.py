@@ -29,7 +29,7 @@ from disagg.core.cost_model import EngineConstants
 from disagg.core.ledger import Ledger, PolledState, others
 from disagg.core.prefix_index import PrefixIndex, index_block_tokens
 from disagg.core.types import InstanceView, Role
-from serve_app.config import PoolConfig
+from serve_app.config import POOL_ROLES, PoolConfig
 from serve_app.messages import EngineStateReport
 from serve_app.request_log import Counters
 from serve_app.served_model import ServedModel
@@ -38,8 +38,6 @@ logger = logging.getLogger("ray.serve")
 STALE_AFTER_S = 5.0  # a replica silent this long is no longer routed to
 POLL_TIMEOUT_S = 2.0  # a replica slower than this to answer misses the poll
 
-# pool name in the config → the role its engines play (as `app.POOL_ROLES`; app imports this package)
-_POOL_ROLE = {"prefill": Role.PREFILL, "decode": Role.DECODE, "colocated": Role.BOTH}
 
 
 @dataclass(slots=True)
@@ -151,7 +149,7 @@ class InstanceRegistry:
 
     def health(self) -> tuple[bool, dict]:
         """(every pool has at least its minimum width, the `/health` body)."""
-        expected = {(m.name, _POOL_ROLE[name]): _min_width(pool)
+        expected = {(m.name, POOL_ROLES[name]): _min_width(pool)
                     for m in self.models.values() for name, pool in m.cfg.pools().items()}
         have = {(m, r): len(self.pool(self.models[m], r)) for m, r in expected}
         ok = all(have[k] >= n for k, n in expected.items())

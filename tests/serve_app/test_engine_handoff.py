@@ -26,15 +26,8 @@ from typing import Any
 import pytest
 
 from disagg.core.types import Role
-from serve_app.engine import (
-    EngineSpec,
-    EngineState,
-    PrefillResult,
-    RequestAborted,
-    VllmEngine,
-    engine_env,
-    nixl_reserved_cpus,
-)
+from serve_app.engine import EngineState, PrefillResult, RequestAborted, VllmEngine
+from serve_app.engine_args import EngineSpec, engine_env, nixl_reserved_cpus
 from serve_app.ports import claim_port
 from serve_app.tiny_model import MARKER, build_tiny_model, default_model_dir, is_complete
 
