@@ -18,12 +18,12 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "pip==26.3"  # tests/test_gpu_extra.py resolves with its fast-deps feature
 	# torch's CPU build first: a plain resolve would pull a several-GB CUDA build
 	$(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e ".[cpu,test,bench]"
 	# the `nixl` meta package wants both CUDA flavours: take only its Python layer
-	$(PIP) install -q --no-deps "nixl==1.5.1"
+	$(PIP) install -q --no-deps "nixl==1.5.0"
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break transformers' imports
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP) $(BUILT)

@@ -98,7 +98,8 @@ def build_app(args: dict) -> serve.Application:
 
 def _router(rc: RouterSettings) -> serve.Deployment:
     """The router deployment: `router.num_replicas` replicas, or Serve's autoscaling between bounds."""
-    opts = {"name": "router", "max_ongoing_requests": 4096, "ray_actor_options": {"num_cpus": rc.num_cpus}}
+    opts = {"name": "router", "max_ongoing_requests": 4096, "ray_actor_options": {"num_cpus": rc.num_cpus},
+            "graceful_shutdown_timeout_s": rc.drain_timeout_s}
     if rc.autoscaling:
         opts["autoscaling_config"] = rc.autoscaling.to_serve(rc.num_replicas)
     else:

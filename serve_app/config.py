@@ -230,6 +230,10 @@ class RouterSettings(_Strict):
     default_slo: SloClass = SloClass.LOOSE
     request_log: str | None = Field(default=None, description="JSON-lines file, one record per request")
     num_cpus: float = Field(default=0.1, ge=0)
+    drain_timeout_s: float = Field(default=25.0, gt=0, description="a router replica being stopped (a rolling "
+                                   "restart, serve shutdown) finishes its streams for at most this long before Serve "
+                                   "kills it; it includes Serve's HAProxy deregistration window "
+                                   "(RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S), so keep it well above that")
     prefill_retries: int = Field(default=1, ge=0, description="other prefill instances tried after a failure")
     migration_limit: int = Field(default=1, ge=0, description="times a request whose decode instance fails "
                                  "mid-stream is continued on another one (its prompt and the tokens so far "

@@ -61,6 +61,11 @@ def _bin(name: str) -> str:
 FAST_PATH_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    # Behind HAProxy a stopping ingress replica stays reachable this long (Serve's default: 30 s) so
+    # that HAProxy can drop it from its backends first. That window alone filled Serve's 30 s budget
+    # per shutdown tier, so every `serve shutdown` timed out and the engines were stopped by signal.
+    # HAProxy runs on this very node: its reload takes well under a second.
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }
 
 
@@ -164,6 +169,7 @@ class LocalStack:
         self.deployed = False
         self.reuse_ray = reuse_ray
         self.stack_id = uuid.uuid4().hex  # replaced by the running cluster's when reusing one
+        self.forced: list[str] = []  # what the last stop had to force: a graceful stop forces nothing
 
     def __enter__(self) -> "LocalStack":
         try:
@@ -326,6 +332,7 @@ class LocalStack:
                 subprocess.run([sys.executable, "-c", _SERVE_SHUTDOWN], env=_env(), capture_output=True,
                                timeout=left() * 0.5)
             except subprocess.TimeoutExpired:
+                self.forced.append("serve shutdown timed out")
                 self.log("serve shutdown timed out; stopping engines and Ray anyway")
         else:
             self.log("Ray is gone; stopping the engines it left")
@@ -338,6 +345,7 @@ class LocalStack:
             pids = engine_processes(self.stack_id)
             if not pids:
                 break
+            self.forced.append(f"{sig.name} to {len(pids)} engine processes")
             self.log(f"{len(pids)} engine processes still alive: {sig.name}")
             for pid in pids:
                 try:

@@ -478,3 +478,34 @@ def test_sampling_translation_classifies_refused_values_and_trims_the_prefill():
     assert (pre.max_tokens, pre.min_tokens, pre.stop, pre.logprobs, pre.structured_outputs) == (1, 0, [], None, None)
     dec = _sampling_params(full, kv_transfer_params=None, max_tokens=None, stream=True, keep_stop=True)
     assert (dec.min_tokens, dec.logprobs, dec.top_k, dec.structured_outputs.json_object) == (8, 2, 4, True)
+
+
+# --------------------------------------------------------------------------------------------
+# The push connector (last in the module: its pair replaces P and D, for memory's sake)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.stack
+def test_the_push_connector_hands_off_token_identical_output(engines: Engines):
+    """`engine.kv_transfer.connector: push` (vLLM's NixlPushConnector: the prefill engine WRITEs the
+    blocks, the fast direction over cuda_ipc) through the same seam: the decode engine receives every
+    prompt token's KV instead of computing it, and its greedy output equals the colocated engine's."""
+    model = str(build_tiny_model())
+    for name in ("prefill", "decode"):  # 2 GB each: the push pair takes their place
+        engines.run(engines.engines.pop(name).shutdown(), timeout=60)
+    for name, role in (("prefill", Role.PREFILL), ("decode", Role.DECODE)):
+        engine = VllmEngine(EngineSpec(model=model, role=role, kv_connector="NixlPushConnector",
+                                       side_channel_port=claim_port("127.0.0.1").port,
+                                       kv_cache_memory_bytes=KV_BYTES, max_model_len=2048, seed=0))
+        engines.engines[name] = engine  # shut down by the fixture
+        engines.run(engine.start(), timeout=START_TIMEOUT_S)
+    sampling = {**GREEDY, "max_tokens": 24, "ignore_eos": True}
+    for i, text in enumerate(PROMPTS):
+        ids = _ids(engines, text)
+        received = engines.run(engines.D.state()).kv_received_tokens
+        pre, tokens, finish, _ = engines.run(_handoff(engines.P, engines.D, f"push-{i}", ids, sampling))
+        ref, _, _ = engines.run(_collect(engines.C, f"push-ref-{i}", ids, sampling, None))
+        assert tokens == ref and finish == "length"
+        st = engines.run(_settled(engines.D, lambda s: s.kv_received_tokens > received))
+        # the prompt's KV came by push: at most its last token may be recomputed (as with pull)
+        assert st.kv_received_tokens - received >= len(ids) - 1, (len(ids), st)
+        assert st.kv_transfers_failed == 0

@@ -305,3 +305,40 @@ def test_a_router_replica_killed_mid_stream_ends_its_streams_and_comes_back_with
     r = client.post("/v1/completions", json={**body, "stream": False, "max_tokens": 8})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     assert after["counters"]["failed"] - (before["counters"]["failed"] - dying["counters"]["failed"]) == 0
+
+
+ENGINE_GONE_S = 15.0  # Ray 2.60 kills a dead worker's process group within ~2.5 s (measured)
+
+
+def test_a_decode_replicas_worker_killed_takes_its_engine_processes_with_it_and_the_replacement_serves(client, stack):
+    """SIGKILL of a decode replica's Ray worker (not of its engine): its EngineCore and vLLM worker
+    must be gone within 15 s, or a replacement on a GPU would find the GPU's memory still taken. Ray
+    2.60 runs each worker in its own process group and cleans the group up when the worker dies;
+    an upgrade that loses this fails here. Then Serve's replacement serves, KV pulled over NIXL."""
+    before = wait_until_idle(client)
+    decodes = {k: v for k, v in before["instances"].items() if v["role"] == "decode"}
+    victim, inst = sorted(decodes.items())[0]
+    engines = engine_pids(inst["pid"])
+    assert any("EngineCore" in cmd for cmd in engines.values()), f"no EngineCore under replica pid {inst['pid']}"
+    os.kill(inst["pid"], signal.SIGKILL)
+    t0 = time.monotonic()
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in engines) \
+            and time.monotonic() - t0 < ENGINE_GONE_S:
+        time.sleep(0.2)
+    alive = {p: cmd for p, cmd in engines.items() if psutil.pid_exists(p)
+             and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+    assert not alive, f"engine processes of the killed replica outlived it by {ENGINE_GONE_S:.0f} s: {alive}"
+    after = wait_until_replaced(client, victim, "decode", len(decodes))
+    killed_on_purpose(stack, set(engines), victim)
+    provoked(stack, before["counters"], after["counters"], {"instances_lost": len(after["routers"])})
+    # the replacement serves a handoff itself: pinned by the route, its KV pulled from the prefill engine
+    (new,) = set(k for k, v in after["instances"].items() if v["role"] == "decode") - set(decodes)
+    for _ in range(20):  # the policy picks the instance; a bounded number of tries until it picks the new one
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "After the kill.", "max_tokens": 4,
+                                                 "ignore_eos": True, "temperature": 0.0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        if route(r.headers)["served_decode"] == new:
+            break
+    else:
+        raise AssertionError(f"20 requests and none was decoded on the replacement {new}")
+    assert state(client)["instances"][new]["kv_received_tokens"] > 0
