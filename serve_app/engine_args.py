@@ -23,7 +23,9 @@ bundle, and Ray sets `CUDA_VISIBLE_DEVICES` for the replica, which the EngineCor
 
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -187,8 +189,9 @@ def engine_env(spec: EngineSpec, *, cpu_platform: bool | None = None) -> dict[st
       learn it from `kv_transfer_params` (`remote_host`, `remote_port`).
     * `UCX_TLS` / `UCX_NET_DEVICES` when the spec sets them.
     * `CUDA_VISIBLE_DEVICES` when the spec names the engine's GPUs.
-    * `VLLM_RPC_BASE_PATH` when the spec has a `runtime_dir`: vLLM's IPC sockets go there, not to
-      the system temp folder, and leave with the folder.
+    * `VLLM_RPC_BASE_PATH` and `TMPDIR` when the spec has a `runtime_dir`: vLLM's IPC sockets and the
+      engine processes' temp files go there, not to the system temp folder, and leave with the folder
+      (torch's compile cache stays where it was: `TORCHINDUCTOR_CACHE_DIR`).
     * CPU platform only: `VLLM_CPU_OMP_THREADS_BIND` = the core(s) NixlConnector pins the worker
       to (see `serve_app.vllm_plugin` for why: without it, ~100x slower), unless the spec sets
       `cpu_omp_threads_bind`.
@@ -202,14 +205,22 @@ def engine_env(spec: EngineSpec, *, cpu_platform: bool | None = None) -> dict[st
         "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.side_channel_host,
     }
     for var, value in (("UCX_TLS", spec.ucx_tls), ("UCX_NET_DEVICES", spec.ucx_net_devices),
-                       ("VLLM_RPC_BASE_PATH", spec.runtime_dir), ("CUDA_VISIBLE_DEVICES", spec.visible_devices)):
+                       ("CUDA_VISIBLE_DEVICES", spec.visible_devices)):
         if value is not None:
             env[var] = value
+    if spec.runtime_dir is not None:
+        env["VLLM_RPC_BASE_PATH"] = spec.runtime_dir  # read in this process, whose temp folder is fixed
+        # the engine processes' other temp files: torch.distributed's file store, multiprocessing's folders
+        env["TMPDIR"] = spec.runtime_dir
+        # ... but not torch's compile cache, which is worth keeping across engine starts
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     if cpu_platform is None:
         cpu_platform = on_cpu_platform()
     if cpu_platform:
         bind = spec.cpu_omp_threads_bind
         if bind is None:
-            bind = ",".join(str(c) for c in nixl_reserved_cpus())
+            # one binding per tensor-parallel rank ('|'-separated), each on the cores NIXL pins it to
+            bind = "|".join([",".join(str(c) for c in nixl_reserved_cpus())] * spec.tensor_parallel_size)
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     return env

@@ -183,7 +183,8 @@ def test_visible_gpus_follow_cuda_visible_devices():
 def test_spec_sets_each_engines_gpus_and_runtime_folder():
     spec = EngineSpec(model="m", visible_devices="2,3", runtime_dir="/run/x")
     env = engine_env(spec, cpu_platform=False)
-    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["VLLM_RPC_BASE_PATH"] == "/run/x"
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["VLLM_RPC_BASE_PATH"] == env["TMPDIR"] == "/run/x"
+    assert not env["TORCHINDUCTOR_CACHE_DIR"].startswith("/run/x")  # the compile cache outlives the engine
     assert "CUDA_VISIBLE_DEVICES" not in engine_env(EngineSpec(model="m"), cpu_platform=False)
 
 

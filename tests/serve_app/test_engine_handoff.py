@@ -481,31 +481,53 @@ def test_sampling_translation_classifies_refused_values_and_trims_the_prefill():
 
 
 # --------------------------------------------------------------------------------------------
-# The push connector (last in the module: its pair replaces P and D, for memory's sake)
+# Other engine shapes (last in the module: each pair replaces P and D, for memory's sake)
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.stack
-def test_the_push_connector_hands_off_token_identical_output(engines: Engines):
-    """`engine.kv_transfer.connector: push` (vLLM's NixlPushConnector: the prefill engine WRITEs the
-    blocks, the fast direction over cuda_ipc) through the same seam: the decode engine receives every
-    prompt token's KV instead of computing it, and its greedy output equals the colocated engine's."""
+def _replace_pair(engines: Engines, **spec: Any) -> None:
+    """Shut P and D down and start a prefill and a decode engine of another shape in their place."""
     model = str(build_tiny_model())
-    for name in ("prefill", "decode"):  # 2 GB each: the push pair takes their place
+    for name in ("prefill", "decode"):  # 2 GB and more each
         engines.run(engines.engines.pop(name).shutdown(), timeout=60)
     for name, role in (("prefill", Role.PREFILL), ("decode", Role.DECODE)):
-        engine = VllmEngine(EngineSpec(model=model, role=role, kv_connector="NixlPushConnector",
-                                       side_channel_port=claim_port("127.0.0.1").port,
-                                       kv_cache_memory_bytes=KV_BYTES, max_model_len=2048, seed=0))
+        engine = VllmEngine(EngineSpec(model=model, role=role, side_channel_port=claim_port("127.0.0.1").port,
+                                       kv_cache_memory_bytes=KV_BYTES, max_model_len=2048, seed=0, **spec))
         engines.engines[name] = engine  # shut down by the fixture
         engines.run(engine.start(), timeout=START_TIMEOUT_S)
+
+
+def _handoffs_match(engines: Engines, reference: VllmEngine, tag: str) -> None:
+    """Every prompt's greedy output after the handoff equals `reference`'s, and the decode engine
+    received the prompt's KV (at most its last token recomputed) without a failed transfer."""
     sampling = {**GREEDY, "max_tokens": 24, "ignore_eos": True}
     for i, text in enumerate(PROMPTS):
         ids = _ids(engines, text)
         received = engines.run(engines.D.state()).kv_received_tokens
-        pre, tokens, finish, _ = engines.run(_handoff(engines.P, engines.D, f"push-{i}", ids, sampling))
-        ref, _, _ = engines.run(_collect(engines.C, f"push-ref-{i}", ids, sampling, None))
-        assert tokens == ref and finish == "length"
+        _, tokens, finish, _ = engines.run(_handoff(engines.P, engines.D, f"{tag}-{i}", ids, sampling))
+        ref, _, _ = engines.run(_collect(reference, f"{tag}-ref-{i}", ids, sampling, None))
+        assert tokens == ref and finish == "length", f"prompt {i}"
         st = engines.run(_settled(engines.D, lambda s: s.kv_received_tokens > received))
-        # the prompt's KV came by push: at most its last token may be recomputed (as with pull)
         assert st.kv_received_tokens - received >= len(ids) - 1, (len(ids), st)
         assert st.kv_transfers_failed == 0
+
+
+@pytest.mark.stack
+def test_the_push_connector_hands_off_token_identical_output(engines: Engines):
+    """`engine.kv_transfer.connector: push` (vLLM's NixlPushConnector: the prefill engine WRITEs the
+    blocks, the fast direction over cuda_ipc) through the same seam, against the colocated engine."""
+    _replace_pair(engines, kv_connector="NixlPushConnector")
+    _handoffs_match(engines, engines.C, "push")
+
+
+@pytest.mark.stack
+def test_tensor_parallel_engines_hand_off_kv_rank_to_rank(engines: Engines):
+    """`tensor_parallel_size: 2` on vLLM's CPU build (two worker processes per engine, as on GPUs):
+    the KV moves over NIXL rank to rank, and the answer equals the same TP-2 engine's own (TP 1 may
+    round differently in bf16, so it is not the reference)."""
+    import psutil
+
+    _replace_pair(engines, tensor_parallel_size=2)
+    cores = [p for p in psutil.Process().children() if "EngineCore" in p.name()]
+    workers = {c.pid: [w.name() for w in c.children(recursive=True) if "Worker" in w.name()] for c in cores}
+    assert sorted(len(w) for w in workers.values()) == [1, 2, 2], workers  # C, then the pair's two ranks each
+    _handoffs_match(engines, engines.D, "tp2")  # the decode engine, prefilling locally, is the reference
