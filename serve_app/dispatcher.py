@@ -44,7 +44,7 @@ import asyncio
 import contextvars
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from disagg.core.ledger import Ledger, admission_work
@@ -54,8 +54,9 @@ from disagg.core.planner import WindowCounter
 from disagg.core.predictor import BucketMeanPredictor
 from disagg.core.prefix_index import PrefixIndex, prompt_block_hashes
 from disagg.core.ttft_estimator import TtftEstimateError
-from disagg.core.types import Decision, InstanceView, NoCapacity, RequestFeatures, Role, SloClass
-from disagg.core.utility import AccuracyTable, Choice
+from disagg.core.types import InstanceView, NoCapacity, RequestFeatures, Role
+from disagg.core.utility import AccuracyTable
+from serve_app.flight import Flight
 from serve_app.instance_state import FlightFacts, instance_snapshot
 from serve_app.metrics import RouterMetrics
 from serve_app.router_text import RouterText, ends_inside_character
@@ -68,65 +69,6 @@ from serve_app.served_model import ServedModel
 
 logger = logging.getLogger("ray.serve")
 ABANDONED_PREFILL_WAIT_S = 60.0  # how long a cancelled request's prefill is awaited to release its KV
-
-
-@dataclass(slots=True)
-class Flight:
-    """One request from validation to its last token: what was asked, decided and observed."""
-
-    rid: str
-    req: Any  # the parsed OpenAI request
-    chat: bool
-    slo: SloClass
-    prompt_ids: list[int]  # tokenized for `model`
-    sampling: dict
-    model: ServedModel | None = None
-    choice: Choice | None = None  # the alias route's choice (None: the request named its model)
-    ttft_limit_s: float | None = None  # the alias route's TTFT limit
-    lam: float | None = None  # the alias route's λ
-    prefilled: bool = False
-    decision: Decision | None = None
-    predicted: int | None = None  # predicted output tokens
-    decision_us: float | None = None
-    alias_us: float | None = None
-    admitted: bool = False  # in the ledger
-    work_s: tuple[float, float] = (0.0, 0.0)  # the prefill and decode work the ledger admitted it with
-    t_arrival: float | None = None
-    t_first: float | None = None
-    actual_prefill: str | None = None  # the instances that served it (the decision may have failed over)
-    actual_decode: str | None = None
-    fallback: str | None = None
-    prefill_engine_s: float | None = None
-    decode_engine_first_s: float | None = None
-    stream: Any = None  # the decode's response stream
-    first_chunk: DecodeChunk | None = None  # received before answering, relayed first
-    output_ids: list[int] = field(default_factory=list)  # output tokens relayed so far (a migration prefills them)
-    migrated_from: list[str] = field(default_factory=list)  # decode instances that failed mid-stream
-    migrated_after: list[int] = field(default_factory=list)  # ... and the output tokens relayed when each did
-    text_sent: list[str] = field(default_factory=list)  # the text relayed so far, chunk by chunk
-    router_text: RouterText | None = None  # the router makes the text (`router_text`: a migration, a split character)
-    prefix_hashes: tuple[int, ...] = ()  # the prompt's block hashes, when the model has a prefix index
-    cached_predicted: dict[str, int] | None = None  # prompt tokens the index thought each chosen instance held
-    prefill_cached_tokens: int | None = None  # ... and what the prefill engine's prefix cache supplied
-    finish_reason: str | None = None
-    finished: bool = False
-
-    @property
-    def generated(self) -> int:
-        """Output tokens relayed so far."""
-        return len(self.output_ids)
-
-    def route_header(self) -> str:
-        """The `x-disagg-route` header: the choice and decision with their costs, and who served."""
-        h = self.decision.header_value() if self.decision else ""
-        if self.choice is not None:
-            h = f"{self.choice.header_value()}; {h}"
-        actual = f"; served_prefill={self.actual_prefill}; served_decode={self.actual_decode}"
-        # the engines' own share of the TTFT: what the client measures beyond it is the serving path
-        engines = "".join(f"; {k}={v:.4f}" for k, v in (("prefill_engine_s", self.prefill_engine_s),
-                                                          ("decode_engine_first_s", self.decode_engine_first_s))
-                          if v is not None)
-        return h + actual + engines + (f"; fallback={self.fallback}" if self.fallback else "")
 
 
 def _last_line(e: BaseException | None) -> str:

@@ -161,6 +161,9 @@ def _scoped_env(overrides: Mapping[str, str | None]):
 
 
 RUNTIME_DIR_VAR = "DISAGG_RUNTIME_DIR"
+# What vLLM's engine processes are called in `ps` (an EngineCore, its workers): how a launcher or a
+# replica finds the ones it started
+ENGINE_PROCESS_MARKERS = ("EngineCore", "VLLM::EngineCore", "VLLM::Worker")
 
 
 def make_runtime_dir() -> str:

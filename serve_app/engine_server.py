@@ -41,7 +41,7 @@ from disagg.core.ledger import AdmittedWork
 from disagg.core.types import Role
 from serve_app.autoscale import PLANNED_WIDTH
 from serve_app.config import AppConfig
-from serve_app.engine import RequestAborted, VllmEngine
+from serve_app.engine import ENGINE_PROCESS_MARKERS, RequestAborted, VllmEngine
 from serve_app.engine_args import EngineSpec
 from serve_app.messages import (
     DecodeCall, DecodeChunk, EngineStateReport, InvalidRequest, PrefillCall, PrefillReply, ProbeCall, ProbeKind,
@@ -49,17 +49,9 @@ from serve_app.messages import (
 )
 from serve_app.ports import claim_port
 from serve_app.probes import first_output_s, median_step_s, random_prompt
+from serve_app.tiny_model import resolve_model
 
 logger = logging.getLogger("ray.serve")
-
-
-def resolve_model(source: str) -> str:
-    """'tiny:tiny' / 'tiny:small' → the offline tiny model's folder (built once); else as given."""
-    if source.startswith("tiny:"):
-        from serve_app.tiny_model import build_tiny_model
-
-        return str(build_tiny_model(size=source.split(":", 1)[1]))
-    return source
 
 
 def engine_spec(cfg: AppConfig, role: Role, side_channel_host: str, port: int) -> EngineSpec:
@@ -161,8 +153,6 @@ async def prefill_remote(pool: DeploymentHandle, request_id: str, prompt: list[i
 def kill_engine_children() -> None:
     """SIGKILL this process's vLLM engine processes (an engine that never finished starting)."""
     import psutil
-
-    from serve_app.launch import ENGINE_PROCESS_MARKERS
 
     for child in psutil.Process(os.getpid()).children(recursive=True):
         try:

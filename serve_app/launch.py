@@ -37,7 +37,8 @@ from pathlib import Path
 import yaml
 
 from serve_app.config import ConfigError, load_serve_config
-from serve_app.engine import RUNTIME_DIR_VAR
+from serve_app.engine import ENGINE_PROCESS_MARKERS, RUNTIME_DIR_VAR
+from serve_app.tiny_model import resolve_model
 
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -45,7 +46,6 @@ RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_worker_niceness": "0",
 }
-ENGINE_PROCESS_MARKERS = ("EngineCore", "VLLM::EngineCore", "VLLM::Worker")
 STACK_ID_VAR = "DISAGG_STACK_ID"
 
 
@@ -224,8 +224,6 @@ class LocalStack:
 
     def _prepare_models(self, apps=None) -> None:
         """Build the offline tiny models once here, rather than in every engine replica at once."""
-        from serve_app.engine_server import resolve_model
-
         for _, cfg in apps or self.apps:  # one entry per model, also of a multi-model app
             if cfg.model.source.startswith("tiny:"):
                 resolve_model(cfg.model.source)

@@ -15,10 +15,8 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the dispatcher imports this module
-    from serve_app.dispatcher import Flight
+from serve_app.flight import Flight
 
 
 @dataclass(slots=True)
@@ -55,7 +53,7 @@ class RequestLog:
             f.write(line)
 
 
-def request_record(f: "Flight", error: str | None, now: float, multi_model: bool, router: str = "") -> dict:
+def request_record(f: Flight, error: str | None, now: float, multi_model: bool, router: str = "") -> dict:
     """The log line of a finished request: `error` None when served, `now` the monotonic time it
     finished; `multi_model`: also name the requested and the serving model; `router`: the router
     replica that routed it."""

@@ -57,7 +57,8 @@ from disagg.core.utility import AccuracyTable
 from serve_app.access import Access, CostModelFiles
 from serve_app.admin import Admin
 from serve_app.config import AppConfig, MultiModelConfig, is_multi_model
-from serve_app.dispatcher import Dispatcher, Flight
+from serve_app.dispatcher import Dispatcher
+from serve_app.flight import Flight
 from serve_app.loop_lag import LoopLag
 from serve_app.metrics import RouterMetrics
 from serve_app.openai_api import (

@@ -28,7 +28,7 @@ from disagg.core.prefix_index import PrefixIndex
 from disagg.core.types import Role
 from disagg.core.utility import ModelPrices
 from serve_app.config import AppConfig, load_cost_model
-from serve_app.engine_server import resolve_model
+from serve_app.tiny_model import resolve_model
 from serve_app.openai_api import ApiError
 
 PROMPT_CHARS_MARGIN = 2  # see the module docstring: characters a normalizer may merge away

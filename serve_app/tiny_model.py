@@ -182,6 +182,14 @@ def build_tiny_model(dest: Path | None = None, size: str = "tiny") -> Path:
     return dest
 
 
+def resolve_model(source: str) -> str:
+    """A config's `model.source` as vLLM loads it: 'tiny:tiny' / 'tiny:small' → the offline tiny
+    model's folder (built once); anything else as given."""
+    if source.startswith("tiny:"):
+        return str(build_tiny_model(size=source.split(":", 1)[1]))
+    return source
+
+
 def _check_size(size: str) -> None:
     if size not in SIZES:
         raise ValueError(f"unknown model size {size!r}; allowed: {', '.join(SIZES)}")

@@ -86,6 +86,8 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
+from disagg.bench import report
+from disagg.bench.records import LIVE, SIM, to_request_record
 from disagg.bench.loadgen import (
     ClientResult, ClientShards, PlannedRequest, error_message, event_loop_runner, prompt_seed, realtime_priority,
     run_open_loop, send_one,
@@ -93,7 +95,7 @@ from disagg.bench.loadgen import (
 from disagg.core.cost_model import CostModel, load_profile
 from disagg.core.policies import PolicyError, known_policies, parse_policy_spec
 from disagg.core.types import SloClass
-from disagg.files import json_safe, write_json_atomic
+from disagg.files import SHARED, json_safe, write_json_atomic, write_text_atomic
 from disagg.sim.metrics import RequestRecord, summarize
 from disagg.sim.runner import capacity_steps, saturation_search, saturation_steps  # noqa: F401  (one rule, sim and live)
 from disagg.sim.traces import TraceRequest, assign_slo_classes, read_trace, rescale_to_rate, slice_trace
@@ -102,8 +104,6 @@ SETTINGS_FILE = "settings.json"
 RECORDS_FILE = "requests.jsonl"
 GATES_FILE = "gates.json"
 SETTINGS_VERSION = 1
-LIVE, SIM = "live", "sim"
-RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
 
 
 class BenchError(Exception):
@@ -236,11 +236,6 @@ class RecordStore:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def to_request_record(rec: dict) -> RequestRecord:
-    """A JSON line back to the simulator's record type, for `disagg.sim.metrics.summarize`."""
-    return RequestRecord(**{k: rec.get(k) for k in RECORD_FIELDS if k in rec})
 
 
 def live_record(res: ClientResult, *, policy: str, trace: str, req: TraceRequest, cm: CostModel,
@@ -695,9 +690,7 @@ class Bench:
                 self._run_sim()
         finally:
             self.store.close()
-        from disagg.bench import report
-
-        return report.write_all(self)
+        return write_results(self)
 
     def _resolve_sim_only(self) -> None:
         self._resolve("max_model_len", self.cfg.max_model_len)
@@ -959,3 +952,54 @@ def _replayed(search, probes: Sequence[Sequence[float]]):
 
 def run_bench(cfg: BenchConfig, **kw) -> dict:
     return Bench(cfg, **kw).run()
+
+
+def write_results(bench: Bench) -> dict:
+    """Summarize the bench folder and write every output file; returns the results dict."""
+    cfg = bench.cfg
+    traces = [t.name for t in bench.traces]
+    records = list(bench.store.records.values())
+    order = (([(LIVE, p) for p in cfg.policies] if cfg.live else []) + [(n, n) for n, _ in cfg.baselines]
+             + ([(SIM, p) for p in cfg.policies] if cfg.sim else []))
+    expected = {t: info["requests"] for t, info in bench.slice_info.items()}
+    runs = report.summarize_runs(records, expected=expected, lag_bound_s=cfg.lag_bound_s, order=order,
+                                 traces=traces)
+    for r in runs:
+        key = (r["system"], r["policy"], r["trace"])
+        r["resumed"] = key in bench.resumed
+        r["load"] = bench.load_stats.get("/".join(key))
+    warnings = list(bench.warnings)
+    for r in runs:
+        if r["send_lag_exceeded"]:
+            warnings.append(f"{r['policy']} on {r['trace']}: the generator's send lag P99 was "
+                            f"{r['send_lag_p99_s'] * 1e3:.0f} ms (bound {cfg.lag_bound_s * 1e3:.0f} ms): the client, "
+                            "not the app, shaped part of the arrivals")
+        if not r["complete"]:
+            warnings.append(f"{r['system']} {r['policy']} on {r['trace']}: {r['requests']} of "
+                            f"{r['expected_requests']} requests recorded (rerun the command to finish it)")
+    for name, sat in (bench.resolved.get("saturation") or {}).items():
+        if sat.get("bracketed") is False:
+            warnings.append(f"{name}: round robin's goodput never fell below the saturation rule's target "
+                            f"{sat['target_goodput']:.3f} up to {sat['rate']:.3g} req/s; the rate is that last "
+                            "probed rate, not a mid-collapse point")
+    if bench.store.duplicates:
+        warnings.append(f"{bench.store.duplicates} duplicate lines in requests.jsonl were ignored")
+    results = {
+        "settings": bench.settings, "resolved": bench.resolved, "url": cfg.url,
+        "cost_model": {"name": bench.cm.name, "source": cfg.cost_model,
+                       "slo": {c.value: {"ttft_s": bench.cm.target(c).ttft_s, "tpot_s": bench.cm.target(c).tpot_s}
+                               for c in SloClass}},
+        "gates": bench.gates, "warnings": warnings, "requests_sent": bench.sent,
+        "traces": bench.slice_info, "runs": runs,
+        "tables": {m: report.table(runs, m, traces) for m, _, _ in report.TABLE_METRICS},
+        "sim_vs_live": report.sim_vs_live(runs),
+        "send_lag_bound_s": cfg.lag_bound_s, "generator_realtime": cfg.realtime,
+    }
+    results = json_safe(results)
+    out = cfg.out
+    write_json_atomic(out / report.RESULTS_JSON, results)
+    write_text_atomic(out / report.RESULTS_MD, report.markdown(results), permissions=SHARED)  # a report for anyone on the machine
+    if runs:
+        report.plot_goodput(results, out / report.GOODPUT_PNG)
+        report.plot_ttft_cdf(records, results, out / report.TTFT_PNG)
+    return results

@@ -1,4 +1,5 @@
-"""Summaries of a bench folder: results.json, results.md and two PNG plots, all written atomically.
+"""Summaries of a bench folder: results.json, results.md and two PNG plots, all written atomically
+(the harness composes them: `disagg.bench.harness.write_results`).
 
 Built from `requests.jsonl` alone (plus the run's settings and gate results), so a resumed or
 repeated run reports every request once, whichever invocation sent it. Per (system, policy,
@@ -20,14 +21,12 @@ import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
+from disagg.bench.records import to_request_record
 from disagg.core.types import SloClass
-from disagg.files import SHARED, json_safe, write_figure, write_json_atomic, write_text_atomic
+from disagg.files import write_figure
 from disagg.sim.metrics import percentile, summarize
-
-if TYPE_CHECKING:  # pragma: no cover
-    from disagg.bench.harness import Bench
 
 RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"
@@ -49,8 +48,6 @@ def row_label(system: str, policy: str) -> str:
 def summarize_runs(records: Sequence[dict], *, expected: dict[str, int], lag_bound_s: float,
                    order: Sequence[tuple[str, str]], traces: Sequence[str]) -> list[dict]:
     """One summary per (system, policy, trace), in `order` × `traces` order."""
-    from disagg.bench.harness import to_request_record
-
     groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
     for r in records:
         groups[(r["system"], r["policy"], r["trace"])].append(r)
@@ -299,55 +296,3 @@ def plot_ttft_cdf(records: Sequence[dict], results: dict, path: Path) -> None:
         ax.legend(fontsize=7, loc="lower right")
     write_figure(fig, path, bbox_inches="tight")
     plt.close(fig)
-
-
-def write_all(bench: "Bench") -> dict:
-    """Summarize the bench folder and write every output file; returns the results dict."""
-    from disagg.bench.harness import LIVE, SIM
-
-    cfg = bench.cfg
-    traces = [t.name for t in bench.traces]
-    records = list(bench.store.records.values())
-    order = (([(LIVE, p) for p in cfg.policies] if cfg.live else []) + [(n, n) for n, _ in cfg.baselines]
-             + ([(SIM, p) for p in cfg.policies] if cfg.sim else []))
-    expected = {t: info["requests"] for t, info in bench.slice_info.items()}
-    runs = summarize_runs(records, expected=expected, lag_bound_s=cfg.lag_bound_s, order=order, traces=traces)
-    for r in runs:
-        key = (r["system"], r["policy"], r["trace"])
-        r["resumed"] = key in bench.resumed
-        r["load"] = bench.load_stats.get("/".join(key))
-    warnings = list(bench.warnings)
-    for r in runs:
-        if r["send_lag_exceeded"]:
-            warnings.append(f"{r['policy']} on {r['trace']}: the generator's send lag P99 was "
-                            f"{r['send_lag_p99_s'] * 1e3:.0f} ms (bound {cfg.lag_bound_s * 1e3:.0f} ms): the client, "
-                            "not the app, shaped part of the arrivals")
-        if not r["complete"]:
-            warnings.append(f"{r['system']} {r['policy']} on {r['trace']}: {r['requests']} of "
-                            f"{r['expected_requests']} requests recorded (rerun the command to finish it)")
-    for name, sat in (bench.resolved.get("saturation") or {}).items():
-        if sat.get("bracketed") is False:
-            warnings.append(f"{name}: round robin's goodput never fell below the saturation rule's target "
-                            f"{sat['target_goodput']:.3f} up to {sat['rate']:.3g} req/s; the rate is that last "
-                            "probed rate, not a mid-collapse point")
-    if bench.store.duplicates:
-        warnings.append(f"{bench.store.duplicates} duplicate lines in requests.jsonl were ignored")
-    results = {
-        "settings": bench.settings, "resolved": bench.resolved, "url": cfg.url,
-        "cost_model": {"name": bench.cm.name, "source": cfg.cost_model,
-                       "slo": {c.value: {"ttft_s": bench.cm.target(c).ttft_s, "tpot_s": bench.cm.target(c).tpot_s}
-                               for c in SloClass}},
-        "gates": bench.gates, "warnings": warnings, "requests_sent": bench.sent,
-        "traces": bench.slice_info, "runs": runs,
-        "tables": {m: table(runs, m, traces) for m, _, _ in TABLE_METRICS},
-        "sim_vs_live": sim_vs_live(runs),
-        "send_lag_bound_s": cfg.lag_bound_s, "generator_realtime": cfg.realtime,
-    }
-    results = json_safe(results)
-    out = cfg.out
-    write_json_atomic(out / RESULTS_JSON, results)
-    write_text_atomic(out / RESULTS_MD, markdown(results), permissions=SHARED)  # a report for anyone on the machine
-    if runs:
-        plot_goodput(results, out / GOODPUT_PNG)
-        plot_ttft_cdf(records, results, out / TTFT_PNG)
-    return results

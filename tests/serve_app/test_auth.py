@@ -421,7 +421,9 @@ def test_the_shipped_configs_gate_admin_as_documented():
         return RouterSettings.model_validate(
             {k: v for k, v in yaml.safe_load((ROOT / "deployments" / name).read_text())["applications"][0]["args"]
              ["router"].items() if k in RouterSettings.model_fields})
-    assert router("disagg.yaml").admin is AdminAccess.DISABLED  # production binds 0.0.0.0
+    # production binds 0.0.0.0: a token (calibrate --live --apply needs /admin/*), never loopback
+    assert router("disagg.yaml").admin is AdminAccess.TOKEN
+    assert router("disagg.yaml").admin_token_env == "DISAGG_ADMIN_TOKEN"
     assert router("local.yaml").admin is AdminAccess.LOOPBACK and router("local.yaml").cost_model_dir == "runs"
     for name in ("disagg.yaml", "local.yaml", "local-multi.yaml", "local-autoscale.yaml", "bench-1p1d.yaml"):
         load_serve_config(ROOT / "deployments" / name)

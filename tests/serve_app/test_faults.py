@@ -23,7 +23,7 @@ import pytest
 
 from disagg.bench.sse import DONE, SseDecoder, sse_data
 from factories import stream_text, stream_token_ids, tiny_tokenizer, vllm_text
-from serve_app.launch import ENGINE_PROCESS_MARKERS
+from serve_app.engine import ENGINE_PROCESS_MARKERS
 from unprovoked import killed_on_purpose, provoked
 
 pytestmark = pytest.mark.stack
