@@ -19,7 +19,9 @@ def test_calibrate_writes_a_sane_cost_model(calibrated_file):
     assert cm.transfer.tokens_per_s > 0
     report = json.loads(calibrated_file.report.read_text())
     assert set(report["fit"]) == {"prefill", "decode", "transfer"}
-    assert report["held_out"]["n"] >= 2 and report["held_out"]["median_rel_error"] >= 0
+    # the requests kept out of the fit are predicted within 50% (9-23% measured on a busy 2-core host;
+    # constants in the wrong units are off by orders of magnitude)
+    assert report["held_out"]["n"] >= 2 and report["held_out"]["median_rel_error"] < 0.5
     assert "held-out" in calibrated_file.stdout and "R²" in calibrated_file.stdout
     # the serving path through the running app costs something, and the TTFT targets include it
     assert 0 < cm.serving_overhead_s < 5.0

@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from disagg.core.cost_model import load_profile
+from disagg.core.cost_model import attention_pairs, load_profile
 from disagg.core.policies import PairCost, SloGoodput, _cached_tokens, _feasible, _fits, _miss, _with_transfer
 from disagg.core.types import CostTerms, Decision, InstanceView, NoCapacity, RequestFeatures, Role, SloClass
 from factories import engine_dict, make_cost_model
@@ -77,7 +77,7 @@ class ReferenceSloGoodput(SloGoodput):
                 uncached = prompt - held
                 chunk = max(1, ec.max_batched_tokens - b)
                 work = (ec.prefill_overhead_s + -(-uncached // chunk) * (ec.step_base_s + ec.decode_seq_s * b)
-                        + ec.prefill_token_s * uncached)
+                        + ec.prefill_token_s * uncached + ec.prefill_attention_s * attention_pairs(uncached, held))
                 ttft = pending + work + overhead
                 after = _miss(tau_after + (pending + work) / out, tpot_others, spread) if b else 0.0
                 meet = (1.0 - _miss(ttft, ttft_t, spread)) * (1.0 - _miss(tau_after, tpot_t, spread)) * ok_kv
@@ -161,7 +161,13 @@ def _cost_models():
     pairs = make_cost_model(pairs={"p0->d0": {"latency_s": 0.0, "tokens_per_s": 1e6},
                                    "p1->d2": {"latency_s": 0.05, "tokens_per_s": 1e4}})
     overhead = make_cost_model(serving_overhead_s=0.03, engine=engine_dict(prefill_token_s=0.0001))
-    return {"a40": a40, "small": small, "hetero": hetero, "pairs": pairs, "overhead": overhead}
+    # every constant the cost model has set at once, so no term of either policy goes unchecked
+    every = make_cost_model(serving_overhead_s=0.01,
+                            engine=engine_dict(prefill_overhead_s=0.004, prefill_attention_s=2e-9),
+                            instances={"d0": engine_dict(prefill_attention_s=5e-9, decode_seq_s=0.001)},
+                            pairs={"p0->d1": {"latency_s": 0.01, "tokens_per_s": 5e4}})
+    assert all(v for k, v in every.engine.model_dump().items() if k != "measured_at"), every.engine
+    return {"a40": a40, "small": small, "hetero": hetero, "pairs": pairs, "overhead": overhead, "every": every}
 
 
 CMS = _cost_models()

@@ -45,5 +45,10 @@ def test_register_runs_every_setup_step_even_when_one_fails(monkeypatch, caplog)
 
 
 def test_this_hosts_amx_state_is_usable():
-    """On an AMX host the permission must be granted (else engines die); elsewhere it is not needed."""
-    assert vllm_plugin.request_amx_permission() is torch.cpu._is_amx_tile_supported()
+    """This host's AMX, as the kernel lists it, is what torch (and so vLLM's kernel choice) sees, and
+    where the CPU has it the permission is granted (else engines die with SIGILL)."""
+    with open("/proc/cpuinfo") as f:
+        flags = {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    has_amx = "amx_tile" in flags
+    assert torch.cpu._is_amx_tile_supported() is has_amx
+    assert vllm_plugin.request_amx_permission() is has_amx
