@@ -170,6 +170,7 @@ class LocalStack:
         self.reuse_ray = reuse_ray
         self.stack_id = uuid.uuid4().hex  # replaced by the running cluster's when reusing one
         self.forced: list[str] = []  # what the last stop had to force: a graceful stop forces nothing
+        self.stop_times: dict[str, float] = {}  # the last stop's phases, in seconds
 
     def __enter__(self) -> "LocalStack":
         try:
@@ -325,10 +326,13 @@ class LocalStack:
             self._ray_stop(left())  # ... but a cluster we started and failed to finish starting goes
             return
         self.deployed = False
+        self.forced, self.stop_times = [], {}  # this stop's
+        t0 = time.monotonic()
         if ray_running():
             try:
                 subprocess.run([sys.executable, "-c", _SERVE_SHUTDOWN], env=_env(), capture_output=True,
                                timeout=left() * 0.5)
+                self.stop_times["serve_shutdown_s"] = time.monotonic() - t0
             except subprocess.TimeoutExpired:
                 self.forced.append("serve shutdown timed out")
                 self.log("serve shutdown timed out; stopping engines and Ray anyway")
@@ -339,6 +343,8 @@ class LocalStack:
         graceful = deadline - 0.4 * timeout_s  # leave time for SIGTERM, SIGKILL and ray stop
         while engine_processes(self.stack_id) and time.monotonic() < graceful:
             time.sleep(0.5)
+        if not engine_processes(self.stack_id):  # gone by themselves (else signalled below)
+            self.stop_times["engines_gone_s"] = time.monotonic() - t0
         for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
             pids = engine_processes(self.stack_id)
             if not pids:
@@ -354,6 +360,7 @@ class LocalStack:
             while engine_processes(self.stack_id) and time.monotonic() < until:
                 time.sleep(0.2)
         self._ray_stop(left())
+        self.stop_times["total_s"] = time.monotonic() - t0
 
     def _ray_stop(self, timeout_s: float) -> None:
         """`ray stop` (every node of this machine) and the runtime folder, if this stack started Ray."""

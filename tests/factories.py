@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from disagg.bench.sse import DONE
@@ -260,3 +261,32 @@ class _PinnedMethod:
         call = args[0] if len(args) == 1 else args  # release_kv(request_id, kv_transfer_params): both
         self.pool.calls.append((self.name, replica, call))
         return self.answer(call, replica)
+
+
+def shipped_args(config: str = "local.yaml", **router: Any) -> dict:
+    """A shipped Serve config's application args (a fresh copy), the router's settings updated by
+    `router` and its request log off unless given."""
+    import yaml
+
+    path = Path(__file__).resolve().parents[1] / "deployments" / config
+    args = yaml.safe_load(path.read_text())["applications"][0]["args"]
+    args["router"] = {**args["router"], "request_log": None, **router}
+    return args
+
+
+async def in_process_router(prefill: Any, decode: Any, args: dict, pools: dict | None = None, *,
+                            poll: bool = True, background: bool = False):
+    """The real router deployment's class (the one under Serve's ingress wrapper), built in this
+    process over stand-in pools. Unless `background`, its loops (polls, lag, metrics, planner) are
+    stopped: a test polls by hand (once here unless `poll` is False) and decides how stale each view is."""
+    from serve_app.router import Router
+
+    cls = Router.__mro__[1]
+    r = cls.__new__(cls)
+    await r.__init__(prefill, decode, args, pools)
+    if background:
+        return r
+    r.stop_background()
+    if poll:
+        await r.poll_once()
+    return r

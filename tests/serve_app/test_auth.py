@@ -31,8 +31,8 @@ from disagg.core.cost_model import PROFILES_DIR, CostModel  # noqa: E402
 from serve_app.access import AccessConfigError  # noqa: E402
 from serve_app.config import AdminAccess, ConfigError, RouterSettings, load_serve_config, parse_args  # noqa: E402
 from serve_app.messages import DecodeChunk  # noqa: E402
-from serve_app.router import Router, fastapi_app  # noqa: E402
-from factories import StandInPool  # noqa: E402
+from serve_app.router import fastapi_app  # noqa: E402
+from factories import StandInPool, in_process_router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-qwen2"
@@ -109,11 +109,7 @@ def _args(**router) -> dict:
 
 async def _router(**router):
     prefill, decode = _Pool("prefill", ["p1"]), _Pool("decode", ["d1", "d2"])  # the CPU profile: 1P2D
-    cls = Router.__mro__[1]  # the class under Serve's ingress wrapper
-    r = cls.__new__(cls)
-    await r.__init__(prefill, decode, _args(**router))
-    r.stop_background()
-    await r.poll_once()
+    r = await in_process_router(prefill, decode, _args(**router))
     r.test_pools = (prefill, decode)
     return r
 
@@ -240,10 +236,7 @@ def test_the_multi_model_router_takes_the_same_keys(keys):
 
     async def run():
         pools = {"tiny-qwen2": {"both": _Pool("both", ["t1"])}, "small-qwen2": {"both": _Pool("both", ["s1"])}}
-        cls = Router.__mro__[1]
-        r = cls.__new__(cls)
-        await r.__init__(None, None, args, pools)
-        r.stop_background()
+        r = await in_process_router(None, None, args, pools, poll=False)
         with _Http(r) as http:
             return (await http.call("GET", "/v1/models"),
                     await http.call("GET", "/v1/models", auth=[f"Bearer {KEY_TWO}"]))

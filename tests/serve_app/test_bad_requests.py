@@ -28,7 +28,7 @@ from starlette.requests import Request  # noqa: E402
 
 from disagg.bench.sse import DONE, SseDecoder  # noqa: E402
 from serve_app.messages import DecodeChunk, InvalidRequest, TokenLogprob  # noqa: E402
-from factories import StandInPool  # noqa: E402
+from factories import StandInPool, in_process_router  # noqa: E402
 from serve_app.router import Router, fastapi_app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,12 +106,7 @@ def _request(raw: bytes, path: str = "/v1/completions", headers: dict | None = N
 
 
 async def _router(prefill: _Pool, decode: _Pool, **router) -> Router:
-    cls = Router.__mro__[1]  # the class under Serve's ingress wrapper
-    r = cls.__new__(cls)
-    await r.__init__(prefill, decode, _args(**router))
-    r.stop_background()
-    await r.poll_once()
-    return r
+    return await in_process_router(prefill, decode, _args(**router))
 
 
 async def _post(r, body, chat: bool = False):

@@ -32,8 +32,7 @@ from starlette.requests import Request  # noqa: E402
 from disagg.bench.sse import SseDecoder  # noqa: E402
 from serve_app.dispatcher import continuation_sampling  # noqa: E402
 from serve_app.messages import DecodeChunk  # noqa: E402
-from serve_app.router import Router  # noqa: E402
-from factories import StandInPool, stream_text, stream_token_ids, tiny_tokenizer, vllm_text  # noqa: E402
+from factories import StandInPool, in_process_router, stream_text, stream_token_ids, tiny_tokenizer, vllm_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 12
@@ -117,12 +116,7 @@ async def _router(decode: _Decoders, migration_limit: int | None = None, log: Pa
     args["router"]["request_log"] = str(log) if log else None
     if migration_limit is not None:
         args["router"]["migration_limit"] = migration_limit
-    cls = Router.__mro__[1]
-    r = cls.__new__(cls)
-    await r.__init__(StandInPool("prefill", ["p0"]), decode, args)
-    r.stop_background()
-    await r.poll_once()
-    return r
+    return await in_process_router(StandInPool("prefill", ["p0"]), decode, args)
 
 
 async def _text(resp, stream: bool) -> tuple[int, str, str | None]:
@@ -371,11 +365,7 @@ def test_with_no_prefill_instance_up_the_decode_instances_prefill_for_themselves
     async def scenario():
         args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
         args["router"]["request_log"] = None
-        cls = Router.__mro__[1]
-        r = cls.__new__(cls)
-        await r.__init__(StandInPool("prefill", []), decode, args)
-        r.stop_background()
-        await r.poll_once()
+        r = await in_process_router(StandInPool("prefill", []), decode, args)
         resp = await r._handle(_request(False), chat=False)
         return resp, r.counters
     resp, counters = asyncio.run(scenario())

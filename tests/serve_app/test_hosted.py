@@ -22,8 +22,7 @@ pytest.importorskip("ray.serve")
 from starlette.requests import Request  # noqa: E402
 
 from serve_app.messages import DecodeChunk, EngineStateReport  # noqa: E402
-from serve_app.router import Router  # noqa: E402
-from factories import StandInPool  # noqa: E402
+from factories import StandInPool, in_process_router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,11 +75,7 @@ def test_a_request_hosted_on_the_prefill_instance_streams_from_there_alone(tmp_p
         return {"type": "http.request", "body": raw, "more_body": False}
 
     async def scenario():
-        cls = Router.__mro__[1]
-        r = cls.__new__(cls)
-        await r.__init__(prefill, decode, args)
-        r.stop_background()
-        await r.poll_once()
+        r = await in_process_router(prefill, decode, args)
         request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive)
         resp = await r._handle(request, chat=False)
         return r, resp

@@ -66,7 +66,6 @@ def test_stop_after_ray_vanished_kills_engines_that_ignore_sigterm_within_the_bu
         monkeypatch.setattr(launch, "ray_running", lambda: False)
         stack = launch.LocalStack.__new__(launch.LocalStack)
         stack.deployed, stack.stack_id, stack.started_ray, stack.log = True, "stack-stop", False, lambda m: None
-        stack.forced = []
         t0 = time.monotonic()
         stack.stop(timeout_s=10.0)
         assert time.monotonic() - t0 < 12.0

@@ -21,7 +21,7 @@ pytest.importorskip("ray.serve")
 from starlette.requests import Request  # noqa: E402
 
 from serve_app.messages import DecodeChunk  # noqa: E402
-from factories import StandInPool  # noqa: E402
+from factories import StandInPool, in_process_router  # noqa: E402
 from serve_app.router import Router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,12 +84,7 @@ def _request(body: dict, headers: dict | None = None) -> Request:
 
 
 async def _router(args: dict, pools: dict) -> Router:
-    cls = Router.__mro__[1]  # the class under Serve's ingress wrapper
-    r = cls.__new__(cls)
-    await r.__init__(None, None, args, pools)
-    r.stop_background()  # polled by hand below: no timing in the test
-    await r.poll_once()
-    return r
+    return await in_process_router(None, None, args, pools)
 
 
 async def _complete(r, model, prompt, headers=None, max_tokens=4):

@@ -110,16 +110,13 @@ def test_the_router_plans_from_its_window_and_sends_the_planned_pool_its_width()
     import asyncio
     import copy
 
-    from factories import StandInPool
-    from serve_app.router import Router
+    from factories import StandInPool, in_process_router
 
     async def scenario():
         args = copy.deepcopy(_args("local-autoscale.yaml"))
         args["router"].update(request_log=None, planner={"interval_s": 0.2, "down_after": 4})
         prefill, decode = StandInPool("prefill", ["p0"]), StandInPool("decode", ["d0"])
-        cls = Router.__mro__[1]
-        r = cls.__new__(cls)
-        await r.__init__(prefill, decode, args)
+        r = await in_process_router(prefill, decode, args, background=True)  # the planner's loop runs
         try:
             target = r.served["tiny-qwen2"].cost_model.target(SloClass.LOOSE)
             r.dispatcher.window.admitted(300, SloClass.LOOSE)  # 5 req/s over the 0.2 s window: 1P1D by the model

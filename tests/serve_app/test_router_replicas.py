@@ -24,7 +24,7 @@ from starlette.requests import Request  # noqa: E402
 from disagg.core.ledger import AdmittedWork  # noqa: E402
 from disagg.core.types import Role  # noqa: E402
 from serve_app.messages import DecodeChunk  # noqa: E402
-from factories import StandInPool, idle_state  # noqa: E402
+from factories import StandInPool, idle_state, in_process_router  # noqa: E402
 from serve_app.router import Router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,12 +85,7 @@ def _args() -> dict:
 
 
 async def _router(prefill: _Engines, decode: _Engines) -> Router:
-    cls = Router.__mro__[1]  # the class under Serve's ingress wrapper
-    r = cls.__new__(cls)
-    await r.__init__(prefill, decode, _args())
-    r.stop_background()  # polled by hand: the test decides how stale each view is
-    await r.poll_once()
-    return r
+    return await in_process_router(prefill, decode, _args())
 
 
 def _request(i: int) -> Request:

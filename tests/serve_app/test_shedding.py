@@ -20,7 +20,7 @@ from starlette.requests import Request  # noqa: E402
 
 from serve_app.messages import DecodeChunk  # noqa: E402
 from serve_app.router import Router  # noqa: E402
-from factories import StandInPool, idle_state  # noqa: E402
+from factories import StandInPool, idle_state, in_process_router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_NUM_SEQS = 64  # deployments/local.yaml
@@ -70,11 +70,7 @@ async def _router(prefill: _Pool, decode: _Pool) -> Router:
     """The real Router in-process over the stand-in pools, with the CPU profile's settings; the tests poll."""
     args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
     args["router"]["request_log"] = None
-    cls = Router.__mro__[1]
-    r = cls.__new__(cls)
-    await r.__init__(prefill, decode, args)
-    r.stop_background()
-    return r
+    return await in_process_router(prefill, decode, args, poll=False)
 
 
 def test_overload_is_refused_fast_loose_first_and_served_again_after_the_drain():

@@ -8,7 +8,8 @@ preemptions, the makespan and the prefix-cache statistics. The expected hashes w
 the straightforward code before the tuning.
 
 A deliberate change of results (a new engine-model term, a policy that decides differently) changes
-them too: check that the change is meant, then print the new ones with
+them too, and the failure names the headline figures that moved (goodput, failures, preemptions,
+TTFT and TPOT medians, makespan): check that the change is meant, then print the new ones with
 `python tests/sim/test_sim_fingerprints.py` and paste them below.
 """
 
@@ -22,6 +23,7 @@ from dataclasses import replace
 import pytest
 
 from disagg.core.cost_model import CostModel
+from disagg.sim.metrics import summarize
 from disagg.sim.runner import prepare_trace, simulate
 from disagg.sim.simulator import Topology
 from disagg.sim.workloads import generate
@@ -51,21 +53,41 @@ TRACES = {
     "tied_shuffled": lambda: _tied_and_shuffled(600),
 }
 
-# (trace, topology, policy, routers, peer notice delay) → fingerprint
+# (trace, topology, policy, routers, peer notice delay) → (fingerprint, headline figures)
 CASES = {
-    ("mixed_bursty", "2P4D", "marginal_cost", 1, None): "5d15c924c5b56cba",
-    ("mixed_bursty", "2P4D", "slo_goodput", 1, None): "9afc599e26792fe3",
-    ("mixed_bursty", "2P4D", "pair_cost", 1, None): "16633398322145bf",
-    ("mixed_bursty", "2P4D", "round_robin", 1, None): "dec290563b8bd85c",
-    ("multi_turn_chat", "4P3D", "slo_goodput", 1, None): "3843f6577dc0f73f",
-    ("multi_turn_chat", "4P3D", "prefix_affinity", 1, None): "3f6ed883d763b3d8",
-    ("mixed_bursty", "2P4D", "slo_goodput", 3, 0.005): "ceb7453ea13fc5a2",
-    ("long_generation", "2P4D", "marginal_cost", 2, None): "eb4f9da17fe6f4a1",
-    ("tied_shuffled", "2P4D", "least_loaded", 1, None): "5e31630504fc2c87",
+    ("mixed_bursty", "2P4D", "marginal_cost", 1, None): ("5d15c924c5b56cba",
+        {"goodput": 0.066, "failed": 0, "preemptions": 0,
+         "ttft_p50_ms": 9696.82, "tpot_p50_ms": 12.01, "makespan_s": 87.52}),
+    ("mixed_bursty", "2P4D", "slo_goodput", 1, None): ("9afc599e26792fe3",
+        {"goodput": 0.7695, "failed": 0, "preemptions": 0,
+         "ttft_p50_ms": 74.66, "tpot_p50_ms": 28.121, "makespan_s": 87.58}),
+    ("mixed_bursty", "2P4D", "pair_cost", 1, None): ("16633398322145bf",
+        {"goodput": 0.7865, "failed": 0, "preemptions": 0,
+         "ttft_p50_ms": 63.52, "tpot_p50_ms": 23.917, "makespan_s": 87.51}),
+    ("mixed_bursty", "2P4D", "round_robin", 1, None): ("dec290563b8bd85c",
+        {"goodput": 0.061, "failed": 0, "preemptions": 0,
+         "ttft_p50_ms": 9441.45, "tpot_p50_ms": 11.985, "makespan_s": 87.53}),
+    ("multi_turn_chat", "4P3D", "slo_goodput", 1, None): ("3843f6577dc0f73f",
+        {"goodput": 0.9925, "failed": 0, "preemptions": 0,
+         "ttft_p50_ms": 81.7, "tpot_p50_ms": 11.334, "makespan_s": 142.0}),
+    ("multi_turn_chat", "4P3D", "prefix_affinity", 1, None): ("3f6ed883d763b3d8",
+        {"goodput": 0.9665, "failed": 0, "preemptions": 4,
+         "ttft_p50_ms": 79.62, "tpot_p50_ms": 11.672, "makespan_s": 142.24}),
+    ("mixed_bursty", "2P4D", "slo_goodput", 3, 0.005): ("ceb7453ea13fc5a2",
+        {"goodput": 0.621, "failed": 0, "preemptions": 8,
+         "ttft_p50_ms": 131.57, "tpot_p50_ms": 30.689, "makespan_s": 87.43}),
+    ("long_generation", "2P4D", "marginal_cost", 2, None): ("eb4f9da17fe6f4a1",
+        {"goodput": 1.0, "failed": 0, "preemptions": 0,
+         "ttft_p50_ms": 52.03, "tpot_p50_ms": 13.405, "makespan_s": 134.64}),
+    ("tied_shuffled", "2P4D", "least_loaded", 1, None): ("5e31630504fc2c87",
+        {"goodput": 0.9683, "failed": 0, "preemptions": 0,
+         "ttft_p50_ms": 84.42, "tpot_p50_ms": 12.388, "makespan_s": 24.06}),
 }
 
 
-def fingerprint(trace_name: str, topology: str, policy: str, routers: int, peer_notify_s: float | None) -> str:
+def fingerprint(trace_name: str, topology: str, policy: str, routers: int,
+                peer_notify_s: float | None) -> tuple[str, dict]:
+    """The hash of every result, and a few headline figures that say what moved when it changes."""
     trace = prepare_trace(TRACES[trace_name](), None, 0.5, 7)
     _, res = simulate(trace, CostModel.from_dict(A40), Topology.parse(topology), policy, routers=routers,
                       peer_notify_s=peer_notify_s)
@@ -74,12 +96,20 @@ def fingerprint(trace_name: str, topology: str, policy: str, routers: int, peer_
         h.update(repr(tuple(getattr(r, f) for f in r.__slots__)).encode())
     h.update(repr(sorted(res.instance_tokens.items())).encode())
     h.update(repr((res.preemptions, res.makespan_s, json.dumps(res.extra, sort_keys=True))).encode())
-    return h.hexdigest()[:16]
+    s = summarize(res.records)
+    figures = {"goodput": round(s["goodput"], 4), "failed": s["failed"], "preemptions": res.preemptions,
+               "ttft_p50_ms": round(s["ttft_p50_s"] * 1e3, 2), "tpot_p50_ms": round(s["tpot_p50_s"] * 1e3, 3),
+               "makespan_s": round(res.makespan_s, 2)}
+    return h.hexdigest()[:16], figures
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=lambda c: "-".join(map(str, c)))
 def test_results_are_unchanged(case):
-    assert fingerprint(*case) == CASES[case]
+    (expected_hash, expected), (got_hash, got) = CASES[case], fingerprint(*case)
+    moved = {k: f"{expected[k]} -> {got[k]}" for k in expected if got[k] != expected[k]}
+    assert got_hash == expected_hash, (f"results changed; headline figures: {moved}" if moved else
+                                       "results changed in per-request fields; no headline figure moved")
+    assert got == expected  # the same results give the same figures: the table itself is right
 
 
 if __name__ == "__main__":
