@@ -32,7 +32,7 @@ from serve_app.access import AccessConfigError  # noqa: E402
 from serve_app.config import AdminAccess, ConfigError, RouterSettings, load_serve_config, parse_args  # noqa: E402
 from serve_app.messages import DecodeChunk  # noqa: E402
 from serve_app.router import fastapi_app  # noqa: E402
-from factories import StandInPool, in_process_router  # noqa: E402
+from factories import StandInPool, in_process_router, shipped_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-qwen2"
@@ -102,9 +102,7 @@ class _Pool(StandInPool):
 # --- the router over HTTP, in-process --------------------------------------------------------------
 
 def _args(**router) -> dict:
-    args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
-    args["router"].update(request_log=None, num_replicas=1, **router)
-    return args
+    return shipped_args(num_replicas=1, **router)
 
 
 async def _router(**router):

@@ -12,15 +12,12 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import random
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
-import yaml
 
 pytest.importorskip("ray.serve")
 from ray.exceptions import RayTaskError  # noqa: E402
@@ -28,10 +25,9 @@ from starlette.requests import Request  # noqa: E402
 
 from disagg.bench.sse import DONE, SseDecoder  # noqa: E402
 from serve_app.messages import DecodeChunk, InvalidRequest, TokenLogprob  # noqa: E402
-from factories import StandInPool, in_process_router  # noqa: E402
+from factories import StandInPool, in_process_router, shipped_args  # noqa: E402
 from serve_app.router import Router, fastapi_app  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-qwen2"
 VOCAB = 2048  # the tiny model's tokenizer
 N_GENERATED = 1200
@@ -90,9 +86,7 @@ class _Pool(StandInPool):
 
 
 def _args(**router) -> dict:
-    args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
-    args["router"].update(request_log=None, num_replicas=1, **router)
-    return args
+    return shipped_args(num_replicas=1, **router)
 
 
 def _request(raw: bytes, path: str = "/v1/completions", headers: dict | None = None) -> Request:

@@ -18,12 +18,10 @@ the engines' own KV counters) are in tests/serve_app/test_faults.py.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 pytest.importorskip("ray.serve")
 
@@ -32,9 +30,8 @@ from starlette.requests import Request  # noqa: E402
 from disagg.bench.sse import SseDecoder  # noqa: E402
 from serve_app.dispatcher import continuation_sampling  # noqa: E402
 from serve_app.messages import DecodeChunk  # noqa: E402
-from factories import StandInPool, in_process_router, stream_text, stream_token_ids, tiny_tokenizer, vllm_text  # noqa: E402
+from factories import StandInPool, in_process_router, shipped_args, stream_text, stream_token_ids, tiny_tokenizer, vllm_text  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 12
 
 
@@ -112,11 +109,10 @@ def _request(stream: bool, **extra) -> Request:
 
 
 async def _router(decode: _Decoders, migration_limit: int | None = None, log: Path | None = None):
-    args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
-    args["router"]["request_log"] = str(log) if log else None
+    router = {"request_log": str(log) if log else None}
     if migration_limit is not None:
-        args["router"]["migration_limit"] = migration_limit
-    return await in_process_router(StandInPool("prefill", ["p0"]), decode, args)
+        router["migration_limit"] = migration_limit
+    return await in_process_router(StandInPool("prefill", ["p0"]), decode, shipped_args(**router))
 
 
 async def _text(resp, stream: bool) -> tuple[int, str, str | None]:
@@ -363,9 +359,7 @@ def test_with_no_prefill_instance_up_the_decode_instances_prefill_for_themselves
     decode = _Decoders(["d0", "d1"])
 
     async def scenario():
-        args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
-        args["router"]["request_log"] = None
-        r = await in_process_router(StandInPool("prefill", []), decode, args)
+        r = await in_process_router(StandInPool("prefill", []), decode, shipped_args())
         resp = await r._handle(_request(False), chat=False)
         return resp, r.counters
     resp, counters = asyncio.run(scenario())

@@ -10,21 +10,17 @@ its queue. The live run of a hosted request, on the real engines, is in tests/se
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
-from pathlib import Path
 
 import pytest
-import yaml
 
 pytest.importorskip("ray.serve")
 
 from starlette.requests import Request  # noqa: E402
 
 from serve_app.messages import DecodeChunk, EngineStateReport  # noqa: E402
-from factories import StandInPool, in_process_router  # noqa: E402
+from factories import StandInPool, in_process_router, shipped_args  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Stream:
@@ -67,8 +63,7 @@ class _Engines(StandInPool):
 
 def test_a_request_hosted_on_the_prefill_instance_streams_from_there_alone(tmp_path):
     prefill, decode = _Engines("prefill", ["p0"]), _Engines("decode", ["d0", "d1"], full=True)
-    args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
-    args["router"].update(policy="slo_goodput", request_log=str(tmp_path / "requests.jsonl"))
+    args = shipped_args(policy="slo_goodput", request_log=str(tmp_path / "requests.jsonl"))
     raw = json.dumps({"model": "tiny-qwen2", "prompt": "host me", "max_tokens": 4, "temperature": 0}).encode()
 
     async def receive():

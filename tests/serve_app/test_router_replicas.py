@@ -10,12 +10,9 @@ itself (deployments/local.yaml runs two routers; tests/serve_app/test_serving.py
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
-from pathlib import Path
 
 import pytest
-import yaml
 
 pytest.importorskip("ray.serve")
 
@@ -24,10 +21,9 @@ from starlette.requests import Request  # noqa: E402
 from disagg.core.ledger import AdmittedWork  # noqa: E402
 from disagg.core.types import Role  # noqa: E402
 from serve_app.messages import DecodeChunk  # noqa: E402
-from factories import StandInPool, idle_state, in_process_router  # noqa: E402
+from factories import StandInPool, idle_state, in_process_router, shipped_args  # noqa: E402
 from serve_app.router import Router  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Held:
@@ -79,9 +75,7 @@ class _Engines(StandInPool):
 
 
 def _args() -> dict:
-    args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
-    args["router"].update(request_log=None, policy="marginal_cost")
-    return args
+    return shipped_args(policy="marginal_cost")
 
 
 async def _router(prefill: _Engines, decode: _Engines) -> Router:

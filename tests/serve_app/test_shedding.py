@@ -5,14 +5,11 @@ decode engines report work that another router sent them (the engines' own ledge
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import time
 from types import SimpleNamespace
-from pathlib import Path
 
 import pytest
-import yaml
 
 pytest.importorskip("ray.serve")
 
@@ -20,9 +17,8 @@ from starlette.requests import Request  # noqa: E402
 
 from serve_app.messages import DecodeChunk  # noqa: E402
 from serve_app.router import Router  # noqa: E402
-from factories import StandInPool, idle_state, in_process_router  # noqa: E402
+from factories import StandInPool, idle_state, in_process_router, shipped_args  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_NUM_SEQS = 64  # deployments/local.yaml
 
 
@@ -68,9 +64,7 @@ def _request(slo: str) -> Request:
 
 async def _router(prefill: _Pool, decode: _Pool) -> Router:
     """The real Router in-process over the stand-in pools, with the CPU profile's settings; the tests poll."""
-    args = copy.deepcopy(yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())["applications"][0]["args"])
-    args["router"]["request_log"] = None
-    return await in_process_router(prefill, decode, args, poll=False)
+    return await in_process_router(prefill, decode, shipped_args(), poll=False)
 
 
 def test_overload_is_refused_fast_loose_first_and_served_again_after_the_drain():
