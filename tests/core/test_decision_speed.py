@@ -18,7 +18,10 @@ import random
 import pytest
 
 from disagg.core.cost_model import attention_pairs, load_profile
-from disagg.core.policies import PairCost, SloGoodput, _cached_tokens, _feasible, _fits, _miss, _with_transfer
+from disagg.core.policies import PairCost, SloGoodput
+from disagg.core.policies.base import feasible, fits
+from disagg.core.policies.marginal_cost import _with_transfer
+from disagg.core.policies.slo_goodput import _cached_tokens, _miss
 from disagg.core.types import CostTerms, Decision, InstanceView, NoCapacity, RequestFeatures, Role, SloClass
 from factories import engine_dict, make_cost_model
 
@@ -34,10 +37,10 @@ class ReferenceSloGoodput(SloGoodput):
         prompt = req.prompt_tokens
         out = max(1, req.predicted_output_tokens)
         overhead = cm.serving_overhead_s
-        decode_ok = _feasible(decode, req, "decode")
-        prefill_ok = [v for v in prefill if _fits(v, prompt)]
+        decode_ok = feasible(decode, req, "decode")
+        prefill_ok = [v for v in prefill if fits(v, prompt)]
         if not prefill_ok and not prm.allow_colocated:
-            _feasible(prefill, req, "prefill")
+            feasible(prefill, req, "prefill")
             raise NoCapacity("no prefill candidate fits and colocated prefill is disabled")
         ends = []
         for p in prefill_ok:
@@ -122,10 +125,10 @@ class ReferencePairCost(PairCost):
         cm = self.cost_model
         sigma = prm.sigma.get(req.slo_class, 1.0)
         out = self.output_tokens(req)
-        decode_ok = _feasible(decode, req, "decode")
+        decode_ok = feasible(decode, req, "decode")
         d_priced = [(d, self.decode_terms(d, req, sigma, out)) for d in decode_ok]
         options = []
-        prefill_ok = [v for v in prefill if _fits(v, req.prompt_tokens)]
+        prefill_ok = [v for v in prefill if fits(v, req.prompt_tokens)]
         p_priced = [(p, self.prefill_terms(p, req, sigma)) for p in prefill_ok]
         if cm.pairs:
             candidates = ((p, pt, d, dt) for p, pt in p_priced for d, dt in d_priced)
@@ -144,7 +147,7 @@ class ReferencePairCost(PairCost):
                 pt = CostTerms(own_work_s=prm.w_service * (work + stall) * sigma, slo_weight=sigma)
                 options.append((pt.total_s + dt.total_s, d, pt, d, dt))
         if not options:
-            _feasible(prefill, req, "prefill")
+            feasible(prefill, req, "prefill")
             raise NoCapacity("no prefill candidate fits and colocated prefill is disabled")
         _, p, pt, d, dt = self._tie.pick(options, [o[0] for o in options])
         return Decision(p.instance_id, d.instance_id, self.name, pt, dt)

@@ -252,7 +252,7 @@ def test_header_value_explains_the_choice(name, cm):
 
 # --- the registry -------------------------------------------------------------------------------
 
-from disagg.core import policies as policies_mod  # noqa: E402
+from disagg.core.policies import base as policies_mod  # noqa: E402  (the registry lives there)
 from disagg.core.policies import Policy, PolicyError, parse_policy_spec, policy_class, register  # noqa: E402
 
 

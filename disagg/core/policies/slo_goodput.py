@@ -1,0 +1,395 @@
+"""`slo_goodput`: goodput-directed placement."""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from pydantic import Field
+
+from disagg.core.cost_model import CostModel, EngineConstants, attention_pairs
+from disagg.core.policies.base import (
+    PairTransfers,
+    Params,
+    Policy,
+    feasible,
+    fits,
+    register,
+)
+from disagg.core.types import (
+    CostTerms,
+    Decision,
+    InstanceView,
+    NoCapacity,
+    RequestFeatures,
+    Role,
+)
+
+
+class SloGoodputParams(Params):
+    latency_error: float = Field(
+        default=0.15, gt=0.0, le=1.0, allow_inf_nan=False,
+        description="relative spread of a latency prediction: a prediction at x × the target misses with "
+                    "probability Φ((x − 1) / latency_error)",
+    )
+    work_weight: float = Field(
+        default=0.02, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="expected misses charged per TTFT target of latency added (the request's predicted TTFT; a "
+                    "colocated prefill's time, once for its decode instance and once per sequence it stalls)",
+    )
+    allow_colocated: bool = Field(default=True, description="may prefill on the chosen decode instance")
+    allow_hosted: bool = Field(default=True, description="may serve a request whole (prefill and decode) on a "
+                                                        "prefill instance, when the decode pool is the limit; "
+                                                        "off where engines share cores (the CPU profile)")
+    utilization_window_s: float = Field(
+        default=5.0, gt=0.0, allow_inf_nan=False,
+        description="time constant of the prefill utilization each prefill instance is judged by when it "
+                    "hosts decodes: about the length of a decode",
+    )
+
+
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+
+
+def _miss(predicted_s: float, target_s: float, spread: float) -> float:
+    """Chance that a latency predicted at `predicted_s` misses `target_s`: a normal error of `spread`
+    × target around the prediction (Φ((x − 1)/spread) with x = predicted/target)."""
+    return 0.5 * math.erfc((1.0 - predicted_s / target_s) / spread * _INV_SQRT2)
+
+
+def _cached_tokens(v: InstanceView, req: RequestFeatures) -> int:
+    """Prompt tokens `v` holds cached, as a prefill there may reuse them: whole leading blocks, never
+    the block of the last prompt token (always computed, as in vLLM)."""
+    if not req.prefix_hashes:
+        return 0
+    blocks = v.cached_prefix_blocks(req.prefix_hashes)
+    block = req.prefix_block_tokens
+    return min(blocks, (req.prompt_tokens - 1) // block) * block if blocks else 0
+
+
+@register
+class SloGoodput(Policy):
+    """`slo_goodput`: the (prefill, decode) placement with the fewest expected SLO misses — prefix-cache
+    aware, colocation and hosting included.
+
+    Candidates: the best prefill instance paired with every decode instance (every pair when the
+    cost model has per-pair transfer constants; a later-ending prefill instance too when it stalls
+    fewer hosted decodes), each decode instance prefilling the request itself (colocated), and each
+    prefill instance serving it whole (hosted). Each is priced by what it does to SLO attainment,
+    not by raw seconds:
+
+        cost = P(the request misses) + Σ_running ΔP(a running request misses its TPOT)
+               [+ P(KV overflow) for a colocated or hosted request] + w·latency added / TTFT target
+
+    - The request's TTFT: the queue on the prefill site + the prefill of the prompt tokens *not*
+      cached there + the KV transfer of the tokens the decode instance does not hold + its first
+      decode step (half a step more when a batch is in flight; a full prefill chunk more when the
+      decode instance is busy with a colocated prefill then) + the serving overhead. Colocated: the
+      queue of colocated prefills there + the uncached prefill, chunked beside b decoding sequences.
+      Hosted: the prefill instance's queue + the uncached prefill (its last chunk gives the first
+      token) + the serving overhead.
+    - Its TPOT: τ_dec(b + 1) on the decode instance, plus the colocated prefill time still pending
+      there when it starts decoding, spread over its ô tokens.
+    - Each of the b requests running on the decode instance: TPOT τ_dec(b) + pending colocated
+      prefill / ô before, τ_dec(b + 1) + (that + this request's colocated prefill) / ô after —
+      judged against the strictest class's TPOT target (their classes are not visible), ô being
+      this request's prediction (the predictor gives a point, its mean; no quantile).
+    - Hosted, the decode shares the prefill instance with its prefills: with h decodes hosted there
+      and u the share of its time the policy's own prefills took lately (an exponential average
+      over `utilization_window_s`), the request's TPOT is τ_dec(h + 1)/(1 − u). Every prefill sent
+      to an instance hosting h decodes — hosted or not — stalls them: each of the h goes from
+      τ_dec(h)/(1 − u) to that + the prefill's time / ô, judged as above. So prefills keep away
+      from the instances where decodes are hosted, unless that costs misses.
+    - A latency predicted at x × its target misses with probability Φ((x − 1)/`latency_error`);
+      TTFT, TPOT and KV overflow count as one miss when any of them happens (taken independent).
+      KV overflow (preemption) is judged the same way on the decode instance's pressure at the
+      request's peak: KV used + its prompt and ô + ô/2 for each running sequence, which is midway
+      through its own output. A colocated prefill on a decode instance that overflows also costs a
+      running sequence's miss: it takes blocks chunk by chunk and so preempts one (vLLM's
+      scheduler, and the simulator's engine model), where a transferred prompt waits for its
+      blocks. Probabilities saturate: a request that will miss anyway goes where it harms the
+      others least.
+    - The last term, `work_weight` × the latency the placement adds / the request's TTFT target,
+      is small: it orders candidates that all surely meet (or surely miss) their targets by the
+      load they add. The latency added is the request's TTFT, plus for a colocated prefill its
+      time once for the decode instance's capacity and once for each of the b sequences it
+      stalls — so decode instances are kept for decoding unless prefilling there saves misses.
+      Hosted, it is its prefill's time once for each of the h decodes there and its decode's
+      per-sequence step time ô × τ_seq, which the prefills there wait for: where every placement
+      meets its targets, hosting wins only if that costs less than the transfer and first decode
+      step it saves. When the decode pool's KV or TPOT is the limit, the prefill pool's KV and
+      time serve decodes as well.
+
+    Queues: the ledger's `backlog_s` prices every prompt whole, so on a prefill instance the policy
+    subtracts what it knows the ledger overprices: the cached part of its own prefills there, until
+    their predicted end. On a decode instance the backlog mixes colocated prefill with decode work,
+    so the policy keeps its own clock of when the colocated prefills it sent there end, bounded by
+    the backlog; with several router replicas each sees only its own colocated prefills there
+    (private state, like a round-robin cursor: fresh per replica), and its own prefills in the
+    utilization u. On a prefill instance the ledger's view counts the prefill work only: the
+    decodes hosted there run beside the prefills, not ahead of them (`InstanceView.hosted`).
+    Cached prefixes come from `InstanceView.cached_prefix_blocks`; live views carry none, so every
+    prompt is priced uncached there and the policy still works.
+
+    Parameters (each from first principles, none fitted to a trace): `latency_error` (0.15: one
+    engine step and a 50 ms poll against a 175 ms TTFT target are 10–30% of it), `work_weight`
+    (0.02: a whole TTFT target of added latency is worth 2% of a miss, below any real change in
+    miss probability), `allow_colocated` (true), `allow_hosted` (true), `utilization_window_s`
+    (5 s: about a decode's length, ô × τ_dec for a few hundred tokens).
+
+    ```yaml
+    policy: {name: slo_goodput, params: {latency_error: 0.15, work_weight: 0.02, allow_colocated: true,
+                                         allow_hosted: true, utilization_window_s: 5.0}}
+    ```
+    """
+
+    name = "slo_goodput"
+    Params = SloGoodputParams
+
+    @property
+    def may_colocate(self) -> bool:
+        return self.params.allow_colocated
+
+    @property
+    def may_host(self) -> bool:
+        return self.params.allow_hosted
+
+    def __init__(self, cost_model: CostModel, params: Params | None = None) -> None:
+        super().__init__(cost_model, params)
+        # decode instance → when the colocated prefills this policy sent there end (its own clock)
+        self._colocated_ends: dict[str, float] = {}
+        # prefill instance → heap of (predicted end, seconds the ledger overprices it) of this policy's
+        # prefills there: the ledger prices a prompt whole, the engine computes only its uncached part
+        self._overpriced: dict[str, list[tuple[float, float]]] = {}
+        self._tpot_floor_s = min(t.tpot_s for t in cost_model.slo.values())  # the strictest class's target
+        self._pair_transfers = PairTransfers(cost_model)
+        # prefill instance → [prefill seconds per second this policy sent there, as of time t]: an
+        # exponential average over `utilization_window_s`; a decode hosted there gets (1 − it) of the engine
+        self._prefill_rate: dict[str, list[float]] = {}
+        # instance id (None: the default constants) → batch size → `_step_times`; pure, so memoised
+        self._steps: dict[str | None, dict[int, tuple[float, float, float, float]]] = {}
+
+    def _prefill_queue_s(self, v: InstanceView, now: float) -> float:
+        """The ledger's backlog on a prefill instance, less the cache hits of our prefills still in it."""
+        heap = self._overpriced.get(v.instance_id)
+        if not heap:
+            return v.backlog_s
+        while heap and heap[0][0] <= now:  # ended: the ledger has dropped its whole price too
+            heapq.heappop(heap)
+        return max(0.0, v.backlog_s - sum(x for _, x in heap))
+
+    def _utilization(self, instance_id: str, now: float) -> float:
+        """The share of the prefill instance's time its prefills take (our own, averaged), below 0.95."""
+        r = self._prefill_rate.get(instance_id)
+        if r is None:
+            return 0.0
+        return min(0.95, r[0] * math.exp((r[1] - now) / self.params.utilization_window_s))
+
+    def _add_prefill(self, instance_id: str, work_s: float, now: float) -> None:
+        window = self.params.utilization_window_s
+        r = self._prefill_rate.get(instance_id)
+        if r is None:
+            self._prefill_rate[instance_id] = [work_s / window, now]
+        else:
+            r[0] = r[0] * math.exp((r[1] - now) / window) + work_s / window
+            r[1] = now
+
+    def _colocated_queue_s(self, v: InstanceView, now: float) -> float:
+        """Colocated prefill still to run on a decode instance. The ledger's backlog there mixes it with
+        decode work, so: our own clock, bounded by that backlog."""
+        return min(v.backlog_s, max(0.0, self._colocated_ends.get(v.instance_id, now) - now))
+
+    def choose(self, req, prefill, decode, now):
+        prm, cm = self.params, self.cost_model
+        spread, w = prm.latency_error, prm.work_weight
+        target = cm.target(req.slo_class)
+        ttft_t, tpot_t, tpot_others = target.ttft_s, target.tpot_s, self._tpot_floor_s
+        prompt, hashes = req.prompt_tokens, req.prefix_hashes
+        out = max(1, req.predicted_output_tokens)
+        overhead = cm.serving_overhead_s
+        decode_ok = feasible(decode, req, "decode")
+        prefill_ok = [v for v in prefill if fits(v, prompt)]
+        if not prefill_ok and not prm.allow_colocated:
+            feasible(prefill, req, "prefill")  # raises the precise reason
+            raise NoCapacity("no prefill candidate fits and colocated prefill is disabled")
+
+        # prefill side: a pair depends on its prefill instance through the prefill's end and the TPOT
+        # misses that prefill adds to the decodes hosted there (its stall); so without per-pair transfer
+        # constants only the earliest end is worth pairing, and any later one that stalls less
+        all_ends = ends = self._prefill_ends(prefill_ok, req, now)
+        stalls = [self._stall(p, work, out, now, spread) if p.hosted else 0.0 for _, _, work, p in ends]
+        if ends and not cm.pairs:
+            order = sorted(range(len(ends)), key=lambda j: ends[j][0])
+            keep, low = [], math.inf
+            for j in order:
+                if stalls[j] < low:
+                    keep.append(j)
+                    low = stalls[j]
+            ends, stalls = [ends[j] for j in keep], [stalls[j] for j in keep]
+
+        # This loop prices every decode instance on every decision (43 of them at 64 instances), so it
+        # is kept to float arithmetic: the cost model's step times come from a memo per batch size,
+        # Φ (`_miss`) is written out, and a candidate is priced in full only if it can still win — its
+        # last term, w·latency/target, is a lower bound of its cost (every other term is ≥ 0), so one
+        # whose last term exceeds the best cost so far is skipped. Same expressions in the same order
+        # as the straightforward form, so the same floats and the same choice
+        # (tests/core/test_decision_speed.py checks it against that form).
+        erfc, k = math.erfc, _INV_SQRT2
+        colocated_ends, allow_colocated = self._colocated_ends, prm.allow_colocated
+        same_engine, transfer = not cm.instances, cm.transfer
+        xfer_whole = transfer.transfer_s(prompt)
+        pair_rows = [self._pair_transfers.row(p.instance_id) for _, _, _, p in ends]
+        ec, memo = cm.engine, self._steps.setdefault(None, {})
+        best, best_cost, bar = None, math.inf, math.inf  # bar: the best cost + a rounding margin
+        for d in decode_ok:
+            did = d.instance_id
+            if not same_engine:
+                ec, memo = cm.for_instance(did), self._steps.setdefault(did, {})
+            b = d.queued
+            steps = memo.get(b)
+            if steps is None:
+                steps = memo[b] = _step_times(ec, b)
+            tau_b, tau_after, step, step_beside_chunk = steps
+            # colocated prefill still to run on d (`_colocated_queue_s`)
+            pending = min(d.backlog_s, max(0.0, colocated_ends.get(did, now) - now))
+            held = _cached_tokens(d, req) if hashes else 0
+            # KV at the request's peak: its prompt and output, and the running sequences' growth
+            # meanwhile (half an output each on average: they are midway through theirs)
+            press = d.pressure_after(prompt + out + b * out // 2)
+            ok_kv = None  # and `before`: computed once a candidate on d may win
+            for (end, q, work, p), pair_row, stall in zip(ends, pair_rows, stalls):
+                if p.instance_id == did:  # `cm.transfer_s`, by instance ids
+                    xfer = 0.0
+                else:
+                    tc = pair_row.get(did, transfer)
+                    xfer = xfer_whole if tc is transfer and not held else tc.transfer_s(prompt - held)
+                arrive = end + xfer
+                # the first token comes from d's next step: longer while d prefills a colocated prompt
+                first = step_beside_chunk if pending > arrive else step
+                if b:
+                    first *= 1.5  # + the rest of the step in flight, half a step on average
+                ttft = arrive + first + overhead
+                load = w * ttft / ttft_t + stall
+                if load > bar:
+                    continue
+                meets_ttft = 1.0 - 0.5 * erfc((1.0 - ttft / ttft_t) / spread * k)
+                if 1.0 - meets_ttft + load > bar:  # 1 − meet ≥ 1 − meets_ttft
+                    continue
+                if ok_kv is None:
+                    ok_kv = 1.0 - 0.5 * erfc((1.0 - press) / spread * k)
+                    before = 0.5 * erfc((1.0 - (tau_b + pending / out) / tpot_others) / spread * k) if b else 0.0
+                tpot = tau_after + max(0.0, pending - arrive) / out
+                after = 0.5 * erfc((1.0 - (tau_after + pending / out) / tpot_others) / spread * k) if b else 0.0
+                meet = meets_ttft * (1.0 - 0.5 * erfc((1.0 - tpot / tpot_t) / spread * k)) * ok_kv
+                cost = 1.0 - meet + b * (after - before) + load
+                if cost < best_cost or best is None:
+                    best, best_cost, bar = (p, d, q, work, xfer, first, tpot, press), cost, cost + _COST_ROUNDING
+            if allow_colocated:
+                uncached = prompt - held
+                chunk = max(1, ec.max_batched_tokens - b)
+                # beside b decoding sequences, each step prefills (budget − b) tokens and costs them their step
+                work = (ec.prefill_overhead_s + -(-uncached // chunk) * (ec.step_base_s + ec.decode_seq_s * b)
+                        + ec.prefill_token_s * uncached + ec.prefill_attention_s * attention_pairs(uncached, held))
+                ttft = pending + work + overhead
+                # its time is taken from d and from each of the b sequences waiting for it
+                load = w * (ttft + (1 + b) * work) / ttft_t
+                if load > bar:
+                    continue
+                meets_ttft = 1.0 - 0.5 * erfc((1.0 - ttft / ttft_t) / spread * k)
+                if 1.0 - meets_ttft + load > bar:  # 2 − meet − ok_kv ≥ 1 − meets_ttft
+                    continue
+                if ok_kv is None:
+                    ok_kv = 1.0 - 0.5 * erfc((1.0 - press) / spread * k)
+                    before = 0.5 * erfc((1.0 - (tau_b + pending / out) / tpot_others) / spread * k) if b else 0.0
+                after = 0.5 * erfc((1.0 - (tau_after + (pending + work) / out) / tpot_others) / spread * k) if b else 0.0
+                meet = meets_ttft * (1.0 - 0.5 * erfc((1.0 - tau_after / tpot_t) / spread * k)) * ok_kv
+                # if d's KV overflows it preempts a running sequence (it takes blocks chunk by chunk, where
+                # a transferred prompt waits for all of them): one more miss
+                cost = 2.0 - meet - ok_kv + b * (after - before) + load
+                if cost < best_cost or best is None:
+                    best, best_cost, bar = (d, d, pending, work, 0.0, 0.0, tau_after, press), cost, cost + _COST_ROUNDING
+
+        if prm.allow_hosted:
+            # a prefill instance serving the request whole: no transfer, and its KV holds the decode
+            for end, q, work, p in all_ends:
+                if p.role is not Role.PREFILL:  # a decode instance listed as a prefill one: colocation above
+                    continue
+                pid = p.instance_id
+                ec = cm.engine if same_engine else cm.for_instance(pid)
+                memo = self._steps.setdefault(None if same_engine else pid, {})
+                h = p.hosted
+                steps = memo.get(h)
+                if steps is None:
+                    steps = memo[h] = _step_times(ec, h)
+                tau_h, tau_after = steps[0], steps[1]
+                ttft = end + overhead  # its last prefill chunk gives the first token
+                # its time is taken from the h decodes hosted there (its prefill), and from p's prefills
+                # (its decode: ô steps, each longer by one sequence's cost)
+                load = w * (ttft + h * work + out * ec.decode_seq_s) / ttft_t
+                if load > bar:
+                    continue
+                meets_ttft = 1.0 - 0.5 * erfc((1.0 - ttft / ttft_t) / spread * k)
+                if 1.0 - meets_ttft + load > bar:
+                    continue
+                # its decode gets the engine's time the prefills leave: τ/(1 − utilization) per token
+                share = 1.0 - self._utilization(pid, now)
+                tpot = tau_after / share
+                press = p.pressure_after(prompt + out + h * out // 2)
+                ok_kv = 1.0 - 0.5 * erfc((1.0 - press) / spread * k)
+                harm = 0.0
+                if h:
+                    before = 0.5 * erfc((1.0 - tau_h / share / tpot_others) / spread * k)
+                    after = 0.5 * erfc((1.0 - (tpot + work / out) / tpot_others) / spread * k)
+                    harm = h * (after - before)
+                meet = meets_ttft * (1.0 - 0.5 * erfc((1.0 - tpot / tpot_t) / spread * k)) * ok_kv
+                cost = 2.0 - meet - ok_kv + harm + load  # overflowing, it preempts a running sequence
+                if cost < best_cost or best is None:
+                    best, best_cost, bar = (p, p, q, work, 0.0, 0.0, tpot, press), cost, cost + _COST_ROUNDING
+
+        # best is set: decode_ok is not empty, and either colocation is allowed or a prefill fits
+        p, d, q, work, xfer, first, tpot, press = best
+        if p is d and p.role is not Role.PREFILL:
+            self._colocated_ends[d.instance_id] = now + q + work
+        else:
+            self._add_prefill(p.instance_id, work, now)
+            overpriced = cm.for_instance(p.instance_id).prefill_s(prompt) - work
+            if overpriced > 0.0:
+                heapq.heappush(self._overpriced.setdefault(p.instance_id, []), (now + q + work, overpriced))
+        return Decision(
+            p.instance_id, d.instance_id, self.name,
+            CostTerms(backlog_s=q, own_work_s=work, pressure=p.pressure_after(prompt)),
+            CostTerms(backlog_s=first, own_work_s=out * tpot, pressure=press, transfer_s=xfer),
+        )
+
+    def _stall(self, p: InstanceView, work: float, out: int, now: float, spread: float) -> float:
+        """The TPOT misses a prefill of `work` seconds on `p` adds to the decodes `p` hosts: each gets
+        τ_dec(h)/(1 − utilization) per token, and `work` more spread over its (predicted) output."""
+        ec, h = self.cost_model.for_instance(p.instance_id), p.hosted
+        tpot = ec.decode_token_s(h) / (1.0 - self._utilization(p.instance_id, now))
+        return h * (_miss(tpot + work / out, self._tpot_floor_s, spread) - _miss(tpot, self._tpot_floor_s, spread))
+
+    def _prefill_ends(self, pool: list[InstanceView], req: RequestFeatures, now: float) -> list[tuple]:
+        """(end of the request's prefill, queue, work, instance) on each prefill candidate."""
+        cm, prompt = self.cost_model, req.prompt_tokens
+        # without prefix hashes or per-instance constants the work is the same everywhere: price it once
+        uniform = not (req.prefix_hashes or cm.instances)
+        work = cm.engine.prefill_s(prompt) if uniform else 0.0
+        ends = []
+        for p in pool:
+            q = self._prefill_queue_s(p, now) if self._overpriced else p.backlog_s
+            if not uniform:
+                cached = _cached_tokens(p, req)  # the uncached rest attends to the cached prefix too
+                work = cm.for_instance(p.instance_id).prefill_s(prompt - cached, cached)
+            ends.append((q + work, q, work, p))
+        return ends
+
+
+# Skipping a candidate whose lower bound exceeds the best cost must not depend on the last bits of
+# Φ: its other terms are ≥ 0 exactly but for Φ's rounding, far below this margin.
+_COST_ROUNDING = 1e-9
+
+
+def _step_times(ec: EngineConstants, b: int) -> tuple[float, float, float, float]:
+    """τ_dec(b), τ_dec(b + 1), a decode step of b + 1 sequences, and that step beside a full prefill chunk."""
+    return (ec.decode_token_s(b), ec.decode_token_s(b + 1), ec.step_s(0, b + 1),
+            ec.step_s(ec.max_batched_tokens - b - 1, b + 1))
