@@ -1,0 +1,218 @@
+"""`disagg calibrate`: a command group of the `disagg` CLI, registered through the `disagg.commands`
+entry point (pyproject.toml), so that `disagg` itself never imports this package."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from disagg.cli.common import Progress, check_reachable, fmt_table
+from disagg.core.types import Role, SloClass
+from disagg.files import write_json_atomic
+from disagg.user_input import UsageError
+
+
+def cmd_calibrate(args) -> int:
+    if args.live:
+        return cmd_calibrate_live(args)
+    if args.config is None:
+        raise UsageError("--config is required (the Serve config whose engine settings to calibrate), "
+                         "unless --live measures a running app's own engines")
+    return cmd_calibrate_engines(args)
+
+
+def cmd_calibrate_live(args) -> int:
+    """`disagg calibrate --live`: every running instance of one model, through the app (`calibration.live`)."""
+    import asyncio
+    import statistics
+    from datetime import datetime, timezone
+
+    from calibration.fit import CalibrationError, fit_fleet, serving_overhead
+    from calibration.live import LiveCalibrationError, calibrate_fleet
+    from calibration.measure import SERVING_PROBE_TOKENS, serving_path_gaps
+
+    if args.url is None:
+        raise UsageError("--live measures a running app: give its --url")
+    if args.config is not None:
+        raise UsageError("--live reads the fleet from the app itself (/admin/state): leave out --config")
+    if not 0.0 <= args.pause_s <= 2.0:
+        raise UsageError(f"--pause-s must be in [0, 2] s, got {args.pause_s!r}")
+    if not 0.0 < args.budget_s <= 3600.0:
+        raise UsageError(f"--budget-s must be in (0, 3600] s, got {args.budget_s!r}")
+    if args.url_requests < 3:
+        raise UsageError(f"--url-requests must be >= 3, got {args.url_requests}")
+    url = args.url.rstrip("/")
+    check_reachable(url)
+    out = Path(args.out)
+    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    try:
+        fleet, samples, seconds = asyncio.run(calibrate_fleet(
+            url, args.model, args.quick, args.pause_s, args.budget_s, args.seed,
+            lambda total: Progress(total, "calibrating the fleet")))
+        gaps = asyncio.run(serving_path_gaps(url, SERVING_PROBE_TOKENS, args.url_requests, seed=args.seed))
+        overhead = serving_overhead([g for _, g in gaps])
+        cm, fits = fit_fleet(samples, fleet.cost_model, args.name or f"live-{fleet.model}", fleet.source,
+                             overhead, measured_at)
+    except CalibrationError as e:
+        raise UsageError(f"calibration failed, nothing written: {e}") from None
+    except (LiveCalibrationError, RuntimeError, OSError) as e:
+        raise UsageError(f"measuring the fleet failed, nothing written: {e}") from None
+    cm.save(out)
+    rows = [{"instance": iid, "role": fleet.instances[iid], "tau_pre": f.engine.prefill_token_s * 1e6,
+             "attention": f.engine.prefill_attention_s * 1e9, "base": f.engine.step_base_s * 1e3,
+             "seq": f.engine.decode_seq_s * 1e6, "r2": f.prefill.r2, "held": f.held_out["median_rel_error"],
+             "held90": f.held_out["p90_rel_error"]} for iid, f in fits.items()]
+    print(fmt_table(rows, [("instance", "instance", "s"), ("role", "role", "s"), ("tau_pre", "τ_pre µs/tok", ".2f"),
+                           ("attention", "attn ns/pair", ".3g"), ("base", "step base ms", ".3f"),
+                           ("seq", "τ_seq µs", ".1f"), ("r2", "prefill R²", ".4f"),
+                           ("held", "held-out p50", ".1%"), ("held90", "held-out p90", ".1%")]))
+    held = statistics.median(f.held_out["median_rel_error"] for f in fits.values())
+    t, l = cm.slo[SloClass.TIGHT], cm.slo[SloClass.LOOSE]
+    print(f"\nserving path: {overhead * 1e3:.1f} ms outside the engines (median of {len(gaps)} lone requests)")
+    print(f"SLO tight TTFT {t.ttft_s * 1e3:.0f} ms / TPOT {t.tpot_s * 1e3:.1f} ms; "
+          f"loose TTFT {l.ttft_s * 1e3:.0f} ms / TPOT {l.tpot_s * 1e3:.1f} ms; KV transfer kept from "
+          f"{fleet.cost_model.name!r}")
+    print(f"held-out median relative error, median over {len(fits)} instances: {held:.1%}")
+    print(f"wrote {out} ({len(fits)} instances of {fleet.model}, measured {measured_at}) in {seconds:.0f} s of probes")
+    if args.report:
+        write_json_atomic(Path(args.report), {"instances": {iid: f.as_dict() for iid, f in fits.items()},
+                                              "held_out_median": held, "seconds": seconds,
+                                              "serving_overhead_s": overhead, "cost_model": cm.to_dict()})
+    if args.apply:
+        _apply_cost_model(url, out, fleet.model)
+    return 0
+
+
+def _apply_cost_model(url: str, path: Path, model: str) -> None:
+    """Have every router replica reload the file it was just written to (`POST /admin/cost_model`)."""
+    import httpx
+
+    from disagg.bench.loadgen import AppAuth, error_message
+
+    try:
+        r = httpx.post(f"{url}/admin/cost_model", json={"cost_model": str(path.resolve()), "model": model},
+                       auth=AppAuth(), trust_env=False, timeout=60.0)
+    except httpx.HTTPError as e:
+        raise UsageError(f"wrote {path}, but could not apply it: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise UsageError(f"wrote {path}, but the router refused to load it ({r.status_code}): {error_message(r)}")
+    print(f"applied: router replicas {', '.join(r.json().get('routers', []))} price with {path} now")
+
+
+def cmd_calibrate_engines(args) -> int:
+    import asyncio
+    import statistics
+
+    from calibration.fit import (
+        CalibrationError,
+        fit_cost_model,
+        held_out_error,
+        serving_overhead,
+    )
+    from calibration.measure import (
+        SERVING_PROBE_TOKENS,
+        Calibrator,
+        GpuShortage,
+        Plan,
+        gpu_assignment,
+        serving_path_gaps,
+        visible_gpus,
+    )
+    from serve_app.config import ConfigError, load_serve_config
+
+    try:
+        apps = load_serve_config(args.config)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    served = {cfg.model.served_name: cfg for _, cfg in apps}
+    if args.model is not None:
+        if args.model not in served:
+            raise UsageError(f"--model {args.model!r}: {args.config} serves {', '.join(served)}")
+        cfg = served[args.model]
+    elif len(served) > 1:
+        raise UsageError(f"{args.config} serves {len(served)} models ({', '.join(served)}); each is calibrated "
+                         "on its own engines: pick one with --model")
+    else:
+        cfg = apps[0][1]
+    out = Path(args.out)
+    if cfg.engine.device == "cuda":  # refused before anything starts: two engines on one GPU fail late
+        try:
+            gpu_assignment(visible_gpus(), cfg.pool_of(Role.PREFILL).tensor_parallel_size,
+                           cfg.pool_of(Role.DECODE).tensor_parallel_size)
+        except GpuShortage as e:
+            raise UsageError(str(e)) from None
+    if args.url is not None:
+        check_reachable(args.url.rstrip("/"))
+    if args.url_requests < 3:
+        raise UsageError(f"--url-requests must be >= 3, got {args.url_requests}")
+    plan = Plan.for_context(cfg.model.max_model_len, cfg.engine.max_num_seqs, args.quick)
+    bar = Progress(plan.steps(), "calibrating")
+    print(f"calibrating {cfg.model.source} on {cfg.engine.device} ({'quick' if args.quick else 'full'}): "
+          f"prompts {plan.prefill_lengths} ×{plan.repeats}, concurrency {plan.concurrencies}", file=sys.stderr)
+    try:
+        result = asyncio.run(Calibrator(cfg, seed=args.seed).run(plan, bar))
+        name = args.name or f"calibrated-{cfg.model.served_name}"
+        cm, report = fit_cost_model(result.measurements, name=name)
+        held = held_out_error(cm.engine, result.held_out_prefill, result.held_out_decode)
+        if args.url:
+            gaps = asyncio.run(serving_path_gaps(args.url.rstrip("/"), SERVING_PROBE_TOKENS, args.url_requests,
+                                                 seed=args.seed))
+            ttfts = [t for t, _ in gaps]
+            overhead = serving_overhead([g for _, g in gaps])
+            cm, report = fit_cost_model(result.measurements, name=name, serving_overhead_s=overhead)
+            print(f"serving path ({args.url}): median client TTFT {statistics.median(ttfts) * 1e3:.1f} ms over "
+                  f"{len(ttfts)} lone {SERVING_PROBE_TOKENS}-token requests, of which outside the engines "
+                  f"{overhead * 1e3:.1f} ms", file=sys.stderr)
+    except CalibrationError as e:
+        raise UsageError(f"calibration failed, nothing written: {e}") from None
+    except (RuntimeError, OSError) as e:
+        raise UsageError(f"measuring the serving path failed, nothing written: {e}") from None
+    cm.save(out)
+    print(fmt_table([{"fit": k, **fit} for k, fit in report.as_dict().items()],
+                    [("fit", "fit", "s"), ("slope", "slope", ".3g"), ("intercept", "intercept s", ".3g"),
+                     ("r2", "R²", ".4f"), ("n", "points", "d"), ("residual_p50", "|resid| p50", ".1%"),
+                     ("residual_p90", "|resid| p90", ".1%")]))
+    e = cm.engine
+    print(f"\nτ_pre {e.prefill_token_s * 1e6:.2f} µs/token, attention {e.prefill_attention_s * 1e9:.3g} ns per "
+          f"(token, context token), step base {e.step_base_s * 1e3:.3f} ms, "
+          f"τ_seq {e.decode_seq_s * 1e6:.1f} µs/sequence, KV {e.kv_capacity_tokens} tokens, "
+          f"transfer {cm.transfer.latency_s * 1e3:.2f} ms + {cm.transfer.tokens_per_s:,.0f} tokens/s, "
+          f"serving path {cm.serving_overhead_s * 1e3:.1f} ms" + ("" if args.url else " (not measured: no --url)"))
+    t, l = cm.slo[SloClass.TIGHT], cm.slo[SloClass.LOOSE]
+    print(f"SLO tight TTFT {t.ttft_s * 1e3:.0f} ms / TPOT {t.tpot_s * 1e3:.1f} ms; "
+          f"loose TTFT {l.ttft_s * 1e3:.0f} ms / TPOT {l.tpot_s * 1e3:.1f} ms")
+    print(f"held-out ({held['n']} requests not in the fit): median relative error {held['median_rel_error']:.1%}, "
+          f"p90 {held['p90_rel_error']:.1%}")
+    print(f"wrote {out} in {result.seconds:.0f} s")
+    if args.report:
+        write_json_atomic(Path(args.report), {"fit": report.as_dict(), "held_out": held, "seconds": result.seconds,
+                                              "cost_model": cm.to_dict()})
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """`calibrate`."""
+    cal = sub.add_parser("calibrate", help="measure this hardware with real engines and write a cost model")
+    cal.add_argument("--config", help="the Serve config whose engine settings to calibrate (on engines started "
+                                      "for it); not with --live")
+    cal.add_argument("--out", required=True, help="cost-model YAML to write (atomically, only if the fit is sane)")
+    cal.add_argument("--quick", action="store_true", help="fewer points (CI); seconds instead of a minute")
+    cal.add_argument("--name", help="name recorded in the file")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--report", help="also write the fit report as JSON")
+    cal.add_argument("--url", help="a running app (e.g. http://127.0.0.1:8000): with --live, the app to calibrate; "
+                                   "either way, also measure the serving path's overhead outside the engines, for "
+                                   "the simulator and the TTFT targets")
+    cal.add_argument("--url-requests", type=int, default=16, help="lone requests through the app for --url")
+    cal.add_argument("--model", help="the served model to calibrate, in a config (or app) that serves several")
+    cal.add_argument("--live", action="store_true",
+                     help="measure every running instance of the app at --url through its router (/admin/probe) "
+                          "instead of starting engines; writes per-instance constants")
+    cal.add_argument("--pause-s", type=float, default=0.02,
+                     help="--live: pause after every probe, so the fleet's own traffic is served (default 0.02)")
+    cal.add_argument("--budget-s", type=float, default=120.0,
+                     help="--live: stop with nothing written past this many seconds of probing (default 120)")
+    cal.add_argument("--apply", action="store_true",
+                     help="--live: then have the router reload the file (it must lie inside router.cost_model_dir)")
+    cal.set_defaults(func=cmd_calibrate)

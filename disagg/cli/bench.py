@@ -1,0 +1,118 @@
+"""`disagg bench`: policies measured on the live app and/or the simulator."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from disagg.cli.common import Progress, fmt_table
+from disagg.core.policies import known_policies
+from disagg.user_input import UsageError, parse_policies, resolve_trace
+
+
+def cmd_bench(args) -> int:
+    """`disagg bench`: policies against the live app and/or the simulator (disagg/bench/harness.py)."""
+    from disagg.bench.harness import (
+        BenchConfig,
+        BenchError,
+        GateFailed,
+        parse_baseline,
+        run_bench,
+    )
+    from disagg.bench.report import capacity_markdown
+
+    if args.url is None and not args.sim:
+        raise UsageError("give --url (the live app) and/or --sim")
+    if args.rate is not None and args.rate <= 0:
+        raise UsageError(f"--rate must be > 0, got {args.rate}")
+    traces = [str(resolve_trace(t)) for spec in args.trace for t in spec.split(",") if t.strip()]
+    try:
+        baselines = tuple(parse_baseline(b) for b in args.baseline)
+    except BenchError as e:
+        raise UsageError(str(e)) from None
+    cfg = BenchConfig(
+        out=Path(args.out), traces=tuple(traces), policies=tuple(parse_policies(args.policies)),
+        url=args.url.rstrip("/") if args.url else None, fmt=args.format, rate=args.rate,
+        saturation=args.saturation, duration_s=args.duration, max_requests=args.max_requests or None,
+        tight_share=args.tight_share, seed=args.seed, sim=args.sim, cost_model=args.cost_model,
+        topology=args.topology, max_model_len=args.max_model_len, request_timeout_s=args.request_timeout,
+        lag_bound_s=args.lag_bound_ms / 1e3, probe_requests=args.probe_requests,
+        probe_seconds=args.probe_seconds, probe_iterations=args.probe_iterations, realtime=args.realtime,
+        baselines=baselines, capacity=args.capacity, capacity_steps=args.capacity_steps,
+    )
+    try:
+        results = run_bench(cfg, progress=lambda total, label: Progress(total, label))
+    except GateFailed as e:
+        print(f"disagg: {e}", file=sys.stderr)
+        return 1
+    except BenchError as e:
+        raise UsageError(str(e)) from None
+    traces = list(results["traces"])
+    rows = []
+    for label, row in results["tables"]["goodput"].items():
+        rows.append({"policy": label, **{t: row.get(t) for t in traces}, "mean": row.get("mean"),
+                     "spread": row.get("spread")})
+    if results["runs"]:  # none in a --capacity run
+        print("goodput (share of requests meeting both SLO targets of cost model "
+              f"{results['cost_model']['name']}):")
+        print(fmt_table(rows, [("policy", "policy", "s"), *((t, t, ".3f") for t in traces), ("mean", "mean", ".3f"),
+                               ("spread", "± std", ".3f")]))
+        print()
+        print(fmt_table(results["runs"], [("system", "system", "s"), ("policy", "policy", "s"), ("trace", "trace", "s"),
+                                          ("requests", "requests", "d"), ("failed", "failed", "d"),
+                                          ("goodput", "goodput", ".3f"), ("ttft_p50_s", "TTFT p50 s", ".3f"),
+                                          ("ttft_p99_s", "TTFT p99 s", ".3f"), ("tpot_p50_s", "TPOT p50 s", ".4f"),
+                                          ("tpot_p99_s", "TPOT p99 s", ".4f"), ("send_lag_p99_s", "lag p99 s", ".4f")]))
+    capacity = capacity_markdown(results["resolved"], traces)
+    if capacity:
+        print("\n" + "\n".join(capacity))
+    for w in results["warnings"]:
+        print(f"warning: {w}", file=sys.stderr)
+    print(f"\nwrote {cfg.out}/results.json, results.md, requests.jsonl, goodput.png, ttft_cdf.png")
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """`bench`."""
+    bench = sub.add_parser("bench", help="measure routing policies on the live app (and/or the simulator) "
+                                         "with a trace; resumable")
+    bench.add_argument("--url", help="the app, e.g. http://127.0.0.1:8000 (omit with --sim for a simulator-only run)")
+    bench.add_argument("--trace", action="append", required=True,
+                       help="trace file or name in $DISAGG_TRACE_DIR; repeat (or comma-separate) for several")
+    bench.add_argument("--format", default="auto", help="azure|mooncake|burstgpt|native|auto (default)")
+    bench.add_argument("--policies", default="round_robin,least_loaded,length_heuristic,marginal_cost",
+                       help=f"comma-separated NAME or NAME:key=value[:key=value]; known: {','.join(known_policies())}")
+    brate = bench.add_mutually_exclusive_group()
+    brate.add_argument("--rate", type=float, help="rescale each trace slice to this mean arrival rate (req/s)")
+    brate.add_argument("--saturation", action="store_true",
+                       help="find round robin's mid-collapse rate first (live: slow probing; see --probe-*)")
+    bench.add_argument("--capacity", type=float, nargs="?", const=0.9, default=None, metavar="ATTAINMENT",
+                       help="instead of fixed-rate runs, search each policy's SLO capacity: the highest rate at which "
+                            "this share (default 0.9) of requests meet both SLO targets (probes sized by --probe-*; "
+                            "--rate is the search's start)")
+    bench.add_argument("--capacity-steps", type=int, default=3, help="bisection steps of the capacity search")
+    bench.add_argument("--duration", type=float, help="cut each slice at this many seconds (after rescaling)")
+    bench.add_argument("--max-requests", type=int, default=0, help="use only the first N requests of each trace")
+    bench.add_argument("--tight-share", type=float, default=0.5, help="share of requests in the tight SLO class")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", required=True, help="output folder (a rerun with the same settings resumes it)")
+    bench.add_argument("--sim", action="store_true", help="also run the simulator on the same slices")
+    bench.add_argument("--cost-model", default="cpu-tiny",
+                       help="cost-model profile or YAML: SLO targets for goodput, and the simulator's constants")
+    bench.add_argument("--topology", help="simulated topology (default: the live app's, else 1P2D)")
+    bench.add_argument("--max-model-len", type=int,
+                       help="context to fit requests to in a simulator-only run (live: read from /v1/models)")
+    bench.add_argument("--request-timeout", type=float, default=300.0, help="per-request limit in seconds")
+    bench.add_argument("--lag-bound-ms", type=float, default=50.0, help="flag runs whose send-lag P99 exceeds this")
+    bench.add_argument("--probe-requests", type=int, default=20, help="live saturation: fewest requests per probe")
+    bench.add_argument("--probe-seconds", type=float, default=20.0,
+                       help="live saturation: each probe sends rate × this many seconds of the trace")
+    bench.add_argument("--probe-iterations", type=int, default=5, help="live saturation: bisection steps")
+    bench.add_argument("--realtime", action="store_true",
+                       help="run the load generator under SCHED_FIFO (needs root) so a busy app cannot delay its "
+                            "sends; recommended when the app shares the machine's cores")
+    bench.add_argument("--baseline", action="append", default=[], metavar="NAME=URL",
+                       help="another OpenAI-compatible system on the same trace slices, run after our policies on "
+                            "every trace (repeatable), e.g. ray_serve_llm=http://127.0.0.1:8000/raylm")
+    bench.set_defaults(func=cmd_bench)

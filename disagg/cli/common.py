@@ -1,0 +1,60 @@
+"""What the command groups share: a progress bar, a results table, a reachability check."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from disagg.user_input import UsageError
+
+
+class Progress:
+    """A one-line progress bar on stderr, only when stderr is a terminal."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.done = max(1, total), label, 0
+        self.enabled = sys.stderr.isatty()
+        self._shown = -1
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        pct = int(100 * self.done / self.total)
+        if self.enabled and pct != self._shown:
+            self._shown = pct
+            bar = "#" * (pct // 4)
+            sys.stderr.write(f"\r{self.label:<20} [{bar:<25}] {pct:3d}%")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def fmt_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """rows of dicts → an aligned text table; columns are (key, header, format)."""
+    head = [h for _, h, _ in columns]
+    body = []
+    for r in rows:
+        line = []
+        for key, _, fmt in columns:
+            v = r.get(key)
+            line.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt))
+        body.append(line)
+    widths = [max(len(head[i]), *(len(b[i]) for b in body)) if body else len(head[i]) for i in range(len(head))]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    out += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
+    return "\n".join(out)
+
+
+def check_reachable(url: str) -> None:
+    """Before minutes of work that need the app: is it there and ready?"""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+            if r.status == 200:
+                return
+            raise UsageError(f"{url}/health answered {r.status}; the app is not ready")
+    except urllib.error.HTTPError as e:
+        raise UsageError(f"{url}/health answered {e.code}; the app is not ready") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise UsageError(f"cannot reach {url}: {e}") from None
