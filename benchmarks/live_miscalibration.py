@@ -25,17 +25,21 @@ import argparse
 import json
 import statistics
 import sys
-import urllib.request
 from pathlib import Path
 
+import httpx
+
 from disagg.bench.harness import BenchConfig, BenchError, run_bench
+from disagg.bench.loadgen import AppAuth, error_message
 
 
 def set_cost_model(url: str, source: str) -> dict:
-    req = urllib.request.Request(f"{url}/admin/cost_model", data=json.dumps({"cost_model": source}).encode(),
-                                 headers={"content-type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
+    """`POST /admin/cost_model` with the credentials the CLI sends ($DISAGG_ADMIN_TOKEN where set)."""
+    with httpx.Client(base_url=url, trust_env=False, auth=AppAuth(), timeout=30) as client:
+        r = client.post("/admin/cost_model", json={"cost_model": source})
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}/admin/cost_model answered {r.status_code}: {error_message(r)}")
+    return r.json()
 
 
 def arm_order(repeats: int) -> list[tuple[int, str]]:
