@@ -40,26 +40,12 @@ policy is a module with a `@register`ed `Policy` subclass, imported below (docs/
 """
 
 from disagg.core.policies.base import (
-    Params,
-    Policy,
-    PolicyError,
-    TieBreakParams,
-    build_policy,
-    known_policies,
-    parse_policy_spec,
-    policy_class,
-    register,
-    replica_seed,
+    Params, Policy, PolicyError, TieBreakParams, build_policy, known_policies, parse_policy_spec, policy_class,
+    register, replica_seed,
 )
 from disagg.core.policies.marginal_cost import MarginalCost, Oracle, PairCost
 from disagg.core.policies.prefix_affinity import PrefixAffinity
-from disagg.core.policies.simple import (
-    Colocated,
-    LeastLoaded,
-    LengthHeuristic,
-    PowerOfTwo,
-    RoundRobin,
-)
+from disagg.core.policies.simple import Colocated, LeastLoaded, LengthHeuristic, PowerOfTwo, RoundRobin
 from disagg.core.policies.slo_goodput import SloGoodput
 
 __all__ = [

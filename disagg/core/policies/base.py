@@ -12,12 +12,7 @@ from typing import Any, Callable, ClassVar, Sequence, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from disagg.core.cost_model import CostModel, TransferConstants
-from disagg.core.types import (
-    Decision,
-    InstanceView,
-    NoCapacity,
-    RequestFeatures,
-)
+from disagg.core.types import Decision, InstanceView, NoCapacity, RequestFeatures
 
 _REGISTRY: dict[str, type["Policy"]] = {}
 

@@ -9,24 +9,9 @@ from pydantic import Field
 
 from disagg.core.cost_model import CostModel
 from disagg.core.policies.base import (
-    PairTransfers,
-    Params,
-    Policy,
-    PolicyError,
-    TieBreak,
-    TieBreakParams,
-    feasible,
-    fits,
-    register,
+    PairTransfers, Params, Policy, PolicyError, TieBreak, TieBreakParams, feasible, fits, register,
 )
-from disagg.core.types import (
-    CostTerms,
-    Decision,
-    InstanceView,
-    NoCapacity,
-    RequestFeatures,
-    SloClass,
-)
+from disagg.core.types import CostTerms, Decision, InstanceView, NoCapacity, RequestFeatures, SloClass
 
 
 class MarginalCostParams(TieBreakParams):

@@ -5,18 +5,8 @@ from __future__ import annotations
 from pydantic import Field
 
 from disagg.core.cost_model import CostModel
-from disagg.core.policies.base import (
-    Cursor,
-    Params,
-    Policy,
-    feasible,
-    queued,
-    register,
-)
-from disagg.core.types import (
-    Decision,
-    InstanceView,
-)
+from disagg.core.policies.base import Cursor, Params, Policy, feasible, queued, register
+from disagg.core.types import Decision, InstanceView
 
 
 class PrefixAffinityParams(Params):

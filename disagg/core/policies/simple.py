@@ -10,19 +10,9 @@ from pydantic import Field
 
 from disagg.core.cost_model import CostModel
 from disagg.core.policies.base import (
-    Cursor,
-    Params,
-    Policy,
-    TieBreak,
-    TieBreakParams,
-    feasible,
-    queued,
-    register,
+    Cursor, Params, Policy, TieBreak, TieBreakParams, feasible, queued, register,
 )
-from disagg.core.types import (
-    Decision,
-    InstanceView,
-)
+from disagg.core.types import Decision, InstanceView
 
 
 @register

@@ -8,22 +8,8 @@ import math
 from pydantic import Field
 
 from disagg.core.cost_model import CostModel, EngineConstants, attention_pairs
-from disagg.core.policies.base import (
-    PairTransfers,
-    Params,
-    Policy,
-    feasible,
-    fits,
-    register,
-)
-from disagg.core.types import (
-    CostTerms,
-    Decision,
-    InstanceView,
-    NoCapacity,
-    RequestFeatures,
-    Role,
-)
+from disagg.core.policies.base import PairTransfers, Params, Policy, feasible, fits, register
+from disagg.core.types import CostTerms, Decision, InstanceView, NoCapacity, RequestFeatures, Role
 
 
 class SloGoodputParams(Params):
