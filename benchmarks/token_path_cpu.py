@@ -1,0 +1,173 @@
+"""CPU of each part of the serving path: per streamed token, per short request, and at idle.
+
+Usage (from the repository root, with nothing else running on the machine):
+
+    .venv/bin/python benchmarks/token_path_cpu.py --rounds 2 --json runs/token_path_cpu.json
+
+It starts deployments/local.yaml (2 router replicas, 1 prefill + 2 decode vLLM engines, KV over NIXL)
+with the launcher and reads every process's CPU time (utime + stime, /proc/<pid>/stat) of the Ray
+session's process tree, grouped into parts:
+- `routers`: the router replicas;
+- `ingress`: Serve's proxy and HAProxy;
+- `engines`: the engine replicas and their vLLM EngineCore and worker processes;
+- `ray`: everything else (GCS, raylet, agents, the Serve controller).
+
+After a warm-up (2 × `--streams` streams) and `--settle-s` of idle, each round has three windows:
+1. idle (`--idle-s`), which gives each part's idle rate in cores;
+2. streaming: `--streams` concurrent streams of `--tokens` tokens each, `--stream-requests` in all;
+3. short requests: `--short-requests` 8-token completions, 8 at a time.
+Under load, a part's CPU minus its idle rate × the window, divided by the tokens streamed (or by the
+requests served), is its cost per token (per request). Ratios within one run are what to compare: the
+machine is shared and noisy. Medians and ranges are over `--rounds`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from memory import cluster_pids, kind, ppid_map, ray_session  # noqa: E402  (benchmarks/memory.py)
+from disagg.files import write_json_atomic  # noqa: E402
+from serve_app.launch import LocalStack  # noqa: E402
+
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+PARTS = ("routers", "ingress", "engines", "ray")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def part_of(k: str, comm: str) -> str:
+    if k == "router replica":
+        return "routers"
+    if k == "Serve proxy" or comm.startswith("haproxy"):
+        return "ingress"
+    if "prefill" in k or "decode" in k or k.startswith("vLLM"):
+        return "engines"
+    return "ray"
+
+
+def cpu_by_part() -> dict[str, float]:
+    """CPU seconds so far of every process of the Ray session, by part."""
+    session, node_id = ray_session()
+    parents = ppid_map()
+    out = dict.fromkeys(PARTS, 0.0)
+    for pid in cluster_pids(session, node_id, exclude={os.getpid()}):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        out[part_of(kind(pid, parents), comm)] += (int(fields[11]) + int(fields[12])) * TICK_S
+    return out
+
+
+def window(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {p: after[p] - before[p] for p in PARTS}
+
+
+async def stream_load(base_url: str, requests: int, concurrency: int, tokens: int) -> tuple[int, int]:
+    """(tokens streamed, requests that failed)."""
+    sem = asyncio.Semaphore(concurrency)
+    streamed, failed = 0, 0
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        nonlocal streamed, failed
+        body = {"model": "tiny-qwen2", "prompt": f"{i} measure the token path " * 4, "max_tokens": tokens,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        async with sem:
+            try:
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        failed += 1
+                        return
+                    usage = None
+                    async for line in r.aiter_lines():
+                        if '"usage"' in line and '"completion_tokens"' in line:
+                            usage = line
+                    streamed += tokens if usage else 0
+            except httpx.HTTPError:
+                failed += 1
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, trust_env=False,
+                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+        await asyncio.gather(*(one(client, i) for i in range(requests)))
+    return streamed, failed
+
+
+def one_round(stack: LocalStack, args) -> dict:
+    idle0, t0 = cpu_by_part(), time.monotonic()
+    time.sleep(args.idle_s)
+    idle = window(idle0, cpu_by_part())
+    idle_rate = {p: idle[p] / (time.monotonic() - t0) for p in PARTS}  # cores
+
+    def loaded(run) -> tuple[dict[str, float], float, tuple[int, int]]:
+        c0, s0 = cpu_by_part(), time.monotonic()
+        result = asyncio.run(run())
+        dt = time.monotonic() - s0
+        used = window(c0, cpu_by_part())
+        return {p: used[p] - idle_rate[p] * dt for p in PARTS}, dt, result
+
+    stream_cpu, stream_s, (tokens, stream_failed) = loaded(
+        lambda: stream_load(stack.base_url, args.stream_requests, args.streams, args.tokens))
+    short_cpu, short_s, (_, short_failed) = loaded(
+        lambda: stream_load(stack.base_url, args.short_requests, 8, 8))
+    served = args.short_requests - short_failed
+    return {
+        "idle_cores": idle_rate,
+        "per_token_us": {p: stream_cpu[p] / max(1, tokens) * 1e6 for p in PARTS},
+        "per_request_ms": {p: short_cpu[p] / max(1, served) * 1e3 for p in PARTS},
+        "tokens_streamed": tokens, "stream_s": stream_s, "stream_failed": stream_failed,
+        "short_served": served, "short_s": short_s,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--idle-s", type=float, default=20.0)
+    ap.add_argument("--settle-s", type=float, default=20.0, help="idle after the warm-up, before the first round")
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--stream-requests", type=int, default=64)
+    ap.add_argument("--short-requests", type=int, default=200)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rounds = []
+    with LocalStack(ROOT / "deployments" / "local.yaml", log=lambda m: log(f"[stack] {m}")) as stack:
+        # first requests and the engines' start-up work are not the path's cost: warm up, then settle
+        asyncio.run(stream_load(stack.base_url, 2 * args.streams, args.streams, args.tokens))
+        time.sleep(args.settle_s)
+        for i in range(args.rounds):
+            rounds.append(one_round(stack, args))
+            log(f"round {i + 1}: {rounds[-1]}")
+    print(f"{'part':<10} {'idle cores':>12} {'µs/token':>16} {'ms/request':>16}   "
+          f"(median; range over {len(rounds)} rounds)")
+    summary = {}
+    for p in PARTS:
+        row = {m: [r[m][p] for r in rounds] for m in ("idle_cores", "per_token_us", "per_request_ms")}
+        summary[p] = {m: {"median": statistics.median(v), "min": min(v), "max": max(v)} for m, v in row.items()}
+        cell = lambda m, f: f"{statistics.median(row[m]):{f}} ({min(row[m]):{f}}-{max(row[m]):{f}})"  # noqa: E731
+        print(f"{p:<10} {cell('idle_cores', '.3f'):>12} {cell('per_token_us', '.0f'):>16} "
+              f"{cell('per_request_ms', '.2f'):>16}")
+    if args.json:
+        write_json_atomic(Path(args.json), {"settings": vars(args), "rounds": rounds, "summary": summary})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
