@@ -46,8 +46,8 @@ _UNREACHABLE = re.compile(
     r"ProxyError|SSLError|Max retries exceeded|Could not fetch URL|No route to host",
 )
 # The only pip settings passed through to the resolution; every other PIP_* variable and every pip
-# config file is left out, so this machine's local wheel folders, extra indexes and constraint files
-# (which put a `+cpu` torch into the resolution here) do not change what a GPU host would get.
+# config file is left out, so a machine's local wheel folders, extra indexes and constraint files
+# (which can put a `+cpu` torch into the resolution) do not change what a GPU host would get.
 _PIP_ENV_KEPT = {"PIP_INDEX_URL", "PIP_CERT", "PIP_CLIENT_CERT", "PIP_TRUSTED_HOST", "PIP_PROXY"}
 
 
