@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,18 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from disagg.files import write_json_atomic  # noqa: E402
-from serve_app.launch import FAST_PATH_ENV, LocalStack, engine_processes, runtime_dir  # noqa: E402
+from serve_app.launch import (  # noqa: E402
+    FAST_PATH_ENV, LocalStack, engine_processes, runtime_dir, vllm_temp_files,
+)
 
 WINDOW_VAR = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def vllm_temp_files() -> set[str]:
-    return {e.path for e in os.scandir(tempfile.gettempdir())
-            if e.name.startswith("vllm_dist_") or (len(e.name) == 36 and e.name.count("-") == 4)}
 
 
 def one_round(requests: int) -> dict:

@@ -24,6 +24,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -381,6 +382,19 @@ class LocalStack:
 def runtime_dir(stack_id: str) -> Path:
     """The folder of one stack's engine runtime files (vLLM's IPC sockets)."""
     return Path(tempfile.gettempdir()) / f"disagg-{stack_id}"
+
+
+def vllm_temp_files() -> set[str]:
+    """What vLLM leaves directly in the system temp folder by default: its IPC sockets and
+    torch.distributed's file stores (`vllm_dist_*`). An engine with a runtime folder leaves none."""
+    out = set()
+    for entry in os.scandir(tempfile.gettempdir()):
+        try:
+            if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode) or entry.name.startswith("vllm_dist_"):
+                out.add(entry.path)
+        except OSError:  # gone meanwhile
+            pass
+    return out
 
 
 def node_resources(apps) -> list[dict[str, float]]:

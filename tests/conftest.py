@@ -14,14 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def stack(tmp_path_factory):
     """The CPU profile (deployments/local.yaml) running for real: Ray on loopback, the router,
     1 prefill + 2 decode vLLM engines with NIXL. Started once per test session, stopped at the end."""
-    from serve_app.launch import LocalStack, engine_processes, runtime_dir
+    from serve_app.launch import LocalStack, engine_processes, runtime_dir, vllm_temp_files
 
     if os.environ.get("DISAGG_STACK_URL"):  # develop against a stack already up (`make run`)
         yield SimpleNamespace(base_url=os.environ["DISAGG_STACK_URL"], run_dir=Path.cwd())
         return
     run_dir = tmp_path_factory.mktemp("stack")
     os.environ["DISAGG_RUN_DIR"] = str(run_dir)  # where the router writes its request log
-    sockets_before = _vllm_temp_files()  # the system temp folder's vLLM files before the stack
+    sockets_before = vllm_temp_files()  # the system temp folder's vLLM files before the stack
     with LocalStack(ROOT / "deployments" / "local.yaml", log=lambda m: print(f"[stack] {m}", flush=True)) as s:
         s.run_dir = run_dir
         s.provoked = UNPROVOKED.copy()  # tests that cause a failure on purpose count it here (unprovoked.provoked)
@@ -34,23 +34,7 @@ def stack(tmp_path_factory):
     assert not s.forced, f"the stack's stop was not graceful: {s.forced}"
     # every engine kept its IPC sockets in the stack's runtime folder, and the folder went with the stop
     assert not runtime_dir(s.stack_id).exists()
-    assert not _vllm_temp_files() - sockets_before, "engines left files in the system temp folder"
-
-
-def _vllm_temp_files() -> set[str]:
-    """What vLLM leaves directly in the system temp folder by default: its IPC sockets and
-    torch.distributed's file stores (`vllm_dist_*`)."""
-    import stat
-    import tempfile
-
-    out = set()
-    for entry in os.scandir(tempfile.gettempdir()):
-        try:
-            if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode) or entry.name.startswith("vllm_dist_"):
-                out.add(entry.path)
-        except OSError:
-            pass
-    return out
+    assert not vllm_temp_files() - sockets_before, "engines left files in the system temp folder"
 
 
 def _admin_state(base_url: str) -> dict:

@@ -96,8 +96,7 @@ def test_vllm_takes_the_engine_args_of_every_shipped_config(file):
 
     apps = load_serve_config(ROOT / "deployments" / file)
     for _, cfg in apps:
-        for role in {Role.PREFILL: (Role.PREFILL, Role.DECODE), Role.BOTH: (Role.BOTH,)}[
-                Role.BOTH if cfg.is_colocated else Role.PREFILL]:
+        for role in (Role.BOTH,) if cfg.is_colocated else (Role.PREFILL, Role.DECODE):
             kw = engine_kwargs(engine_spec(cfg, role, "127.0.0.1", 27000))
             kw["kv_transfer_config"] = KVTransferConfig(**kw["kv_transfer_config"])
             args = AsyncEngineArgs(**kw)
