@@ -64,11 +64,38 @@ class AdminAccess(str, Enum):
     TOKEN = "token"  # whoever presents `Authorization: Bearer <the token in router.admin_token_env>`
 
 
+class OpenAiSettings(_Strict):
+    """vLLM's OpenAI-layer options (`model.openai`), named as `vllm serve` takes them as flags."""
+
+    chat_template: str | None = Field(default=None, min_length=1, description="a template file or the template "
+                                      "itself; default: the tokenizer's")
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    trust_request_chat_template: bool = Field(default=False, description="let requests bring their own template")
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    response_role: str = Field(default="assistant", min_length=1)
+    enable_auto_tool_choice: bool = Field(default=False, description="tool_choice 'auto' (needs tool_call_parser)")
+    tool_call_parser: str | None = Field(default=None, min_length=1, description="e.g. 'hermes', 'llama3_json'")
+    tool_strict_level: Literal["auto", "function", "parameter"] = "auto"
+    exclude_tools_when_tool_choice_none: bool = False
+    reasoning_parser: str | None = Field(default=None, min_length=1, description="e.g. 'deepseek_r1', 'qwen3'")
+    return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+
+    @model_validator(mode="after")
+    def _auto_needs_parser(self) -> "OpenAiSettings":
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (as vllm serve does)")
+        return self
+
+
 class ModelConfig(_Strict):
     source: str = Field(description="a model name (Qwen/Qwen2.5-3B-Instruct), a local folder, or 'tiny:tiny' / "
                         "'tiny:small' for the offline tiny models built on first use")
     served_name: str = Field(description="the `model` name clients send and /v1/models lists")
     max_model_len: int = Field(default=2048, gt=0, description="context window: prompt + max_tokens")
+    openai: OpenAiSettings = Field(default_factory=OpenAiSettings, description="vLLM's OpenAI-layer options: "
+                                   "chat template, tool-call and reasoning parsers")
 
 
 class KvTransferSettings(_Strict):

@@ -1,6 +1,7 @@
 """The dispatcher: one validated request's life, from the routing decision to its last token.
 
-Per request (a `Flight`), after the ingress has validated and tokenized it:
+Per request (a `Flight`), after vLLM's OpenAI layer in the router has validated and rendered it
+(`openai_surface`: its engine client's `generate` calls `start`, then relays `outputs`):
 1. predict the output length (`max_tokens` exactly when `ignore_eos`), take the instance views from
    the registry and call the model's P/D policy — the same object the simulator runs;
 2. admit to the ledger; prefill on exactly the chosen prefill replica (`pinned_router`), retrying
@@ -11,14 +12,18 @@ Per request (a `Flight`), after the ingress has validated and tokenized it:
    and wait for its first token before the ingress answers, so a failure still gets a proper
    status code; a decode that fails before its first token is retried once on another decode
    replica, which prefills locally;
-4. stream (or collect) the tokens; on the first token the KV has left the prefill instance
+4. stream the outputs, vLLM's own (`OutputDelta`), back to vLLM's OpenAI layer, which answers;
+   `n > 1`: sample 0 pulls the KV, and once its first token is out the other samples start on
+   the same decode instance, where its prefix cache holds the prompt (one prefill and one transfer
+   serve every sample); on the first token the KV has left the prefill instance
    (`ledger.prefill_done`); at the end `ledger.finish`, the predictor learns the natural output
    length, and the request log gets one line with the decision and its per-term costs;
 5. a decode that fails mid-stream is migrated (`migration_limit` times at most): another decode
    instance prefills the prompt plus the tokens generated so far and streams the rest, so the
    client gets the whole answer in one stream, every token once; from then on the router makes
-   the text and applies the stop strings (`router_text`). A request with structured output is
-   not migrated: its grammar cannot resume mid-answer.
+   the text and applies the stop strings (`router_text`). Not migrated (the answer ends with an
+   error event): structured output and tool calls forced through it (a grammar cannot resume
+   mid-answer), and `n > 1` (the samples share one decode instance's cache).
 A client that goes away cancels the in-flight prefill or decode call; Serve propagates the
 cancellation into the engine replica, where vLLM aborts the request. A prefill's KV that no decode
 will pull (the client left, or the decode failed over to a local prefill) is released at once
@@ -44,7 +49,7 @@ import asyncio
 import contextvars
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from disagg.core.ledger import Ledger, admission_work
@@ -54,14 +59,15 @@ from disagg.core.planner import WindowCounter
 from disagg.core.predictor import BucketMeanPredictor
 from disagg.core.prefix_index import PrefixIndex, prompt_block_hashes
 from disagg.core.ttft_estimator import TtftEstimateError
-from disagg.core.types import InstanceView, NoCapacity, RequestFeatures, Role
-from disagg.core.utility import AccuracyTable
+from disagg.core.types import InstanceView, NoCapacity, RequestFeatures, Role, SloClass
+from disagg.core.utility import AccuracyTable, Choice
 from serve_app.flight import Flight
 from serve_app.instance_state import FlightFacts, instance_snapshot
 from serve_app.metrics import RouterMetrics
 from serve_app.router_text import RouterText, ends_inside_character
-from serve_app.messages import DecodeCall, DecodeChunk, InvalidRequest, PrefillCall, PrefillReply
-from serve_app.openai_api import ApiError, openai_param
+from serve_app.messages import GenerateCall, InvalidRequest, OutputDelta, PrefillCall, PrefillReply
+from serve_app.openai_api import ApiError
+from serve_app.sampling import continuation_params, replaced, sample_params
 from serve_app.planning import count_served
 from serve_app.registry import Instance, InstanceRegistry
 from serve_app.request_log import Counters, RequestLog, request_record
@@ -86,8 +92,16 @@ def _refused(e: BaseException) -> InvalidRequest | None:
     return None
 
 
-def _bad_request(f: "Flight", refused: InvalidRequest) -> ApiError:
-    param = openai_param(refused.param, f.chat)
+# the request fields behind an engine-side sampling parameter, by preference
+_FIELDS_OF = {"structured_outputs": ("structured_outputs", "response_format", "tool_choice"),
+              "logprobs": ("top_logprobs", "logprobs")}
+
+
+def _bad_request(refused: InvalidRequest, f: Flight) -> ApiError:
+    """An engine's refusal as a 400 naming the field the client set."""
+    param = refused.param
+    if param in _FIELDS_OF:
+        param = next((name for name in _FIELDS_OF[param] if name in f.fields), param)
     return ApiError(f"{param}: {refused.message}" if param else refused.message, param=param)
 
 
@@ -95,19 +109,6 @@ def _detached(step) -> asyncio.Task:
     """A task outside the current request's context: Serve cancels every call made in a request's
     context when the request is cancelled, and these calls must outlive it."""
     return asyncio.get_running_loop().create_task(step, context=contextvars.Context())
-
-
-def continuation_sampling(sampling: dict, generated: int) -> dict:
-    """The sampling settings that continue a completion after `generated` of its tokens, once those
-    are part of the prompt: fewer tokens left to generate and to force, and no stop strings (the
-    router applies them to the text it makes: `router_text`)."""
-    s = dict(sampling, max_tokens=sampling["max_tokens"] - generated)
-    s.pop("stop", None)
-    if "min_tokens" in s:
-        s["min_tokens"] = max(0, s["min_tokens"] - generated)
-        if not s["min_tokens"]:
-            del s["min_tokens"]
-    return s
 
 
 def _decoder(model: ServedModel):
@@ -118,19 +119,44 @@ def _decoder(model: ServedModel):
 
 def _router_text(f: Flight) -> RouterText:
     """The router's text for `f` from here on (the output tokens and text sent so far are kept)."""
-    return RouterText(_decoder(f.model), f.prompt_ids, f.output_ids, "".join(f.text_sent), f.sampling.get("stop"),
-                      f.sampling.get("min_tokens", 0))
+    p = f.params
+    return RouterText(_decoder(f.model), f.prompt_ids, f.output_ids, "".join(f.text_sent), p.stop,
+                      p.min_tokens, include_stop=p.include_stop_str_in_output)
 
 
-def _retext(text: RouterText, chunk: DecodeChunk) -> tuple[DecodeChunk, bool]:
-    """An engine's chunk with the router's text; True when a stop string ended the answer in it
-    (its tokens after that one are dropped, as vLLM drops them)."""
-    out, kept = text.feed(chunk.token_ids, finished=chunk.finish_reason is not None,
-                          token_stopped=chunk.finish_reason == "stop")
+def _retext(text: RouterText, out: Any) -> bool:
+    """An engine's CompletionOutput delta with the router's text, in place; True when a stop string
+    ended the answer in it (its tokens after that one are dropped, as vLLM drops them)."""
+    # the engine has no stop strings here: its "stop" is a stop token's (EOS, `stop_token_ids`)
+    new, kept = text.feed(out.token_ids, finished=out.finish_reason is not None,
+                          token_stopped=out.finish_reason == "stop")
+    out.text = new
     if kept is None:
-        return replace(chunk, text=out), False
-    logprobs = chunk.logprobs[:kept] if chunk.logprobs is not None else None
-    return replace(chunk, text=out, token_ids=chunk.token_ids[:kept], finish_reason="stop", logprobs=logprobs), True
+        return False
+    out.token_ids = list(out.token_ids)[:kept]
+    if out.logprobs is not None:
+        out.logprobs = out.logprobs[:kept]
+    out.finish_reason, out.stop_reason = "stop", text.stopped_by
+    return True
+
+
+def _append(whole: Any, delta: Any) -> None:
+    """Extend a sample's output with its next delta (vLLM's own aggregation)."""
+    whole.text += delta.text
+    whole.token_ids = list(whole.token_ids) + list(delta.token_ids)
+    if delta.logprobs:
+        whole.logprobs = list(whole.logprobs or []) + list(delta.logprobs)
+    whole.cumulative_logprob = delta.cumulative_logprob
+    whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+@dataclass(frozen=True, slots=True)
+class AliasChoice:
+    """The alias route's pick (`Dispatcher.choose_model`)."""
+
+    choice: Choice
+    predicted: int  # output tokens predicted for the request
+    decision_us: float
 
 
 def _no_capacity(e: NoCapacity) -> ApiError:
@@ -159,18 +185,13 @@ class Dispatcher:
         self._prefill_locally: dict[str, Colocated] = {}  # per model: its placement while no prefill instance is up
         self._background: set[asyncio.Task] = set()  # KV releases under way (held: tasks are weakly referenced)
 
-    async def start(self, f: Flight, alias_prompts: dict[str, list[int]] | None = None) -> None:
-        """Route, prefill, and get the first token (so errors still have a status code).
+    async def start(self, f: Flight) -> None:
+        """Route, prefill, and get the first output (so errors still have a status code).
 
-        `alias_prompts`: the request named the alias; each candidate model's tokenized prompt.
         Raises ApiError (or CancelledError) after finishing the request."""
         try:
-            if alias_prompts is not None:
-                self._choose_model(f, alias_prompts)
-            token_ids_prompt = isinstance(getattr(f.req, "prompt", None), list)
-            if token_ids_prompt and ends_inside_character(_decoder(f.model), f.prompt_ids):
+            if f.prompt_text is None and ends_inside_character(_decoder(f.model), f.prompt_ids):
                 f.router_text = _router_text(f)  # vLLM's text would start with the prompt's again
-                f.sampling = {k: v for k, v in f.sampling.items() if k != "stop"}  # applied by the router
             await self._route_and_admit(f)
             kv = None if f.decision.colocated else await self._prefill(f)
             f.prefilled = True
@@ -193,6 +214,16 @@ class Dispatcher:
             self.counters.cancelled += 1
             self.finish(f, error="cancelled by client")
             raise
+
+    def abandon(self, f: Flight) -> None:
+        """End `f` before its outputs are read (another prompt of its request failed, or the client
+        left): stop its start, or its decode, and finish it."""
+        if f.started is not None and not f.started.done():
+            f.started.cancel()  # `start` finishes it
+            return
+        if f.stream is not None:
+            f.stream.cancel()
+        self.finish(f, error="abandoned: the request ended before this prompt's answer was read")
 
     def _release_kv(self, f: Flight, kv: dict) -> None:
         """Have the chosen decode engine tell the prefill engine to free `f`'s KV now (not at the
@@ -237,13 +268,15 @@ class Dispatcher:
             facts.append(FlightFacts(len(f.prompt_ids), f.predicted or 1, started, f.generated))
         return facts
 
-    def _choose_model(self, f: Flight, prompts: dict[str, list[int]]) -> None:
-        """Route the alias: pick the instance (and so the model) by accuracy − λ·cost within the TTFT limit."""
+    def choose_model(self, prompts: dict[str, list[int]], max_tokens: int | None, ignore_eos: bool, slo: SloClass,
+                     ttft_limit_s: float, lam: float) -> AliasChoice:
+        """Route the alias: pick the instance (and so the model) by accuracy − λ·cost within the TTFT limit.
+        `prompts`: each candidate model's rendered prompt."""
         models = [self.registry.models[name] for name in prompts]
         p = max(len(ids) for ids in prompts.values())  # tokenizers may differ: price the longest
         room = min(m.cfg.model.max_model_len - len(prompts[m.name]) for m in models)
-        max_tokens = f.req.max_tokens or room
-        f.predicted = max_tokens if f.req.ignore_eos else min(max_tokens, self.alias_predictor.predict(p, f.slo))
+        max_tokens = max_tokens or room
+        predicted = max_tokens if ignore_eos else min(max_tokens, self.alias_predictor.predict(p, slo))
         candidates = []
         for m in models:
             for inst in self.registry.pool(m, m.start_role):
@@ -252,34 +285,29 @@ class Dispatcher:
                 candidates.append((ModelInstance(inst.instance_id, m.name, c, m.prices), snap))
         t0 = time.perf_counter()
         try:
-            choice = route_by_latency(candidates, p, f.predicted, f.ttft_limit_s, f.lam, self.accuracy,
-                                      time.monotonic())
+            choice = route_by_latency(candidates, p, predicted, ttft_limit_s, lam, self.accuracy, time.monotonic())
         except NoCapacity as e:
             raise _no_capacity(e) from None
         except (ValueError, TtftEstimateError) as e:  # a bug or an impossible snapshot: say so, do not guess
             logger.exception("router: latency routing failed")
             raise ApiError(f"latency routing failed: {e}", status=500, kind="internal_error") from None
-        f.alias_us = (time.perf_counter() - t0) * 1e6
-        f.choice = choice
-        f.model = self.registry.models[choice.model]
-        f.prompt_ids = prompts[choice.model]
-        f.sampling = f.model.sampling(f.req, len(f.prompt_ids))
+        return AliasChoice(choice, predicted, (time.perf_counter() - t0) * 1e6)
 
     async def _route_and_admit(self, f: Flight) -> None:
         """The model's P/D policy picks the prefill and decode instances; the ledger admits the request."""
         t_arrival = time.monotonic()
         m = f.model
         p = len(f.prompt_ids)
-        max_tokens = f.sampling["max_tokens"]
+        max_tokens = f.params.max_tokens
         if f.choice is None:
-            f.predicted = max_tokens if f.req.ignore_eos else min(max_tokens, m.predictor.predict(p, f.slo))
+            f.predicted = max_tokens if f.params.ignore_eos else min(max_tokens, m.predictor.predict(p, f.slo))
         index = m.prefix_index
         if index is not None:
             f.prefix_hashes = prompt_block_hashes(f.prompt_ids, index.block_tokens)
-            feats = RequestFeatures(f.rid, p, f.predicted, f.slo, prefix_hashes=f.prefix_hashes,
+            feats = RequestFeatures(f.rid, p, f.predicted * f.n, f.slo, prefix_hashes=f.prefix_hashes,
                                     prefix_block_tokens=index.block_tokens)
         else:
-            feats = RequestFeatures(f.rid, p, f.predicted, f.slo)
+            feats = RequestFeatures(f.rid, p, f.predicted * f.n, f.slo)  # n samples: n times the decode work
         t0 = time.perf_counter()
         decode_views = self.registry.views(m, m.decode_role)
         if f.choice is not None and m.start_role is Role.PREFILL:  # the alias chose the prefill engine
@@ -304,7 +332,7 @@ class Dispatcher:
         f.decision, f.t_arrival = decision, t_arrival
         if index is not None:
             self._note_prefix(f, index, prefill_views + decode_views)
-        pw, dw = admission_work(m.cost_model, decision.prefill_id, decision.decode_id, p, f.predicted,
+        pw, dw = admission_work(m.cost_model, decision.prefill_id, decision.decode_id, p, f.predicted * f.n,
                                 self.ledger.queued(decision.decode_id))
         self.ledger.admit(f.rid, decision.prefill_id, decision.decode_id, pw, dw, p)
         self.window.admitted(p, f.slo)
@@ -349,14 +377,14 @@ class Dispatcher:
             if inst is None:
                 break
             tried.append(target)
-            call = PrefillCall(f"{f.rid}-p{attempt}", f.prompt_ids, f.sampling, self.router_id, f.work_s[0])
+            call = PrefillCall(f"{f.rid}-p{attempt}", f.prompt_ids, f.params, self.router_id, f.work_s[0])
             try:
                 reply: PrefillReply = await self._prefill_call(f, inst, call)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a dead or failing prefill replica: try another, then go local
                 if (refused := _refused(e)) is not None:
-                    raise _bad_request(f, refused) from None
+                    raise _bad_request(refused, f) from None
                 logger.warning("router: prefill of %s on %s failed: %s", f.rid, target, _last_line(e))
                 self.counters.prefill_retries += 1
                 others = [i.instance_id for i in self.registry.pool(m, Role.PREFILL) if i.instance_id not in tried]
@@ -369,26 +397,27 @@ class Dispatcher:
             f.actual_prefill = f"{m.id_prefix}prefill-{reply.replica}"
             f.prefill_engine_s = reply.engine_ttft_s
             f.prefill_cached_tokens = reply.cached_tokens
+            f.prompt_logprobs = reply.prompt_logprobs
             return reply.kv_transfer_params
         self.counters.local_prefill_fallbacks += 1
         f.fallback = "local_prefill"
         f.actual_prefill = f.decision.decode_id
         return None
 
-    async def _open(self, f: Flight, inst: Instance, call: DecodeCall) -> tuple[Any, DecodeChunk]:
-        """Start `call` on `inst`; its response stream and first chunk. An engine's refusal is a 400;
+    async def _open(self, f: Flight, inst: Instance, call: GenerateCall) -> tuple[Any, OutputDelta]:
+        """Start `call` on `inst`; its response stream and first delta. An engine's refusal is a 400;
         any other failure propagates (the stream cancelled)."""
-        stream = f.model.streams[inst.role].decode.remote(call, replica=inst.replica)
+        stream = f.model.streams[inst.role].generate.remote(call, replica=inst.replica)
         try:
-            first: DecodeChunk = await stream.__anext__()
+            first: OutputDelta = await stream.__anext__()
         except StopAsyncIteration:
             raise RuntimeError("decode ended without output") from None
         except BaseException as e:  # cancellation included: the engine aborts the request
             stream.cancel()
             if isinstance(e, Exception) and (refused := _refused(e)) is not None:
-                raise _bad_request(f, refused) from None
+                raise _bad_request(refused, f) from None
             raise
-        if first.replica != inst.replica:
+        if first.replica is not None and first.replica != inst.replica:
             self.counters.misrouted += 1
         return stream, first
 
@@ -428,10 +457,10 @@ class Dispatcher:
             # a prefill engine serving the request whole counts only its prefill as the call's work,
             # as the ledger's prefill view does: the decode runs beside its prefills, not ahead of them
             work_s = f.work_s[0] if inst.role is Role.PREFILL else f.work_s[1]
-            call = DecodeCall(f"{f.rid}-d{n}", f.prompt_ids, f.sampling, kv if n == 0 else None, self.router_id,
-                              work_s)
+            call = GenerateCall(f"{f.rid}-d{n}", f.prompt_ids, self._sample_params(f, 0), kv if n == 0 else None,
+                                self.router_id, work_s)
             try:
-                f.stream, f.first_chunk = await self._open(f, inst, call)
+                f.stream, f.first_delta = await self._open(f, inst, call)
             except (asyncio.CancelledError, ApiError):
                 raise
             except Exception as e:
@@ -446,13 +475,21 @@ class Dispatcher:
             if n > 0 or f.actual_prefill is None:  # prefilled locally on this decode instance
                 f.actual_prefill = target
             f.t_first = time.monotonic()
-            f.decode_engine_first_s = f.first_chunk.engine_first_token_s
+            f.decode_engine_first_s = f.first_delta.engine_first_token_s
+            f.num_cached_tokens = f.first_delta.num_cached_tokens
+            if f.prompt_logprobs is None:  # computed by a local prefill
+                f.prompt_logprobs = f.first_delta.prompt_logprobs
             self.ledger.prefill_done(f.rid)
             return
         raise ApiError(f"no decode instance could serve the request: {_last_line(last_error)}", status=503,
                        kind="service_unavailable")
 
-    async def _migrate(self, f: Flight, error: Exception) -> DecodeChunk | None:
+    def _sample_params(self, f: Flight, index: int):
+        """Sample `index`'s parameters; without stop strings where the router applies them."""
+        params = sample_params(f.params, index)
+        return replaced(params, stop=None) if f.router_text is not None and params.stop else params
+
+    async def _migrate(self, f: Flight, error: Exception) -> OutputDelta | None:
         """Continue `f` after its decode instance failed mid-stream with `error`: another decode
         instance prefills the prompt plus the tokens so far and streams the rest. Returns the new
         stream's first chunk (None: nothing was left to generate); ApiError (502) when the request
@@ -461,13 +498,16 @@ class Dispatcher:
         reason = _last_line(error)
         logger.warning("router: decode of %s on %s failed after %d tokens: %s", f.rid, f.actual_decode,
                        f.generated, reason)
-        left = f.sampling["max_tokens"] - f.generated
-        if left <= 0:  # the engine failed after the last token, before saying so
+        left = f.params.max_tokens - f.generated
+        if left <= 0 and f.n == 1:  # the engine failed after the last token, before saying so
             f.finish_reason = "length"
             return None
-        if f.sampling.get("structured_outputs") is not None:
+        resumable = f.params.structured_outputs is None and f.n == 1
+        if f.params.structured_outputs is not None:
             reason += " (a structured-output request is not migrated)"
-        while len(f.migrated_from) < self.migration_limit and f.sampling.get("structured_outputs") is None:
+        elif f.n > 1:
+            reason += " (a request of n > 1 samples is not migrated)"
+        while len(f.migrated_from) < self.migration_limit and resumable:
             f.migrated_from.append(f.actual_decode)
             f.migrated_after.append(f.generated)
             others = [i for i in self.registry.pool(m, m.decode_role) if i.instance_id not in f.migrated_from]
@@ -483,8 +523,8 @@ class Dispatcher:
             self.ledger.finish(f.rid)  # its work moves to the new instance
             self.ledger.admit(f.rid, inst.instance_id, inst.instance_id, pw, dw, len(prompt))
             f.work_s = (pw, dw)
-            call = DecodeCall(f"{f.rid}-m{len(f.migrated_from)}", prompt, continuation_sampling(f.sampling, f.generated),
-                              None, self.router_id, dw)
+            call = GenerateCall(f"{f.rid}-m{len(f.migrated_from)}", prompt,
+                                continuation_params(f.params, f.generated), None, self.router_id, dw)
             try:
                 f.stream, first = await self._open(f, inst, call)
             except (asyncio.CancelledError, ApiError):
@@ -504,43 +544,44 @@ class Dispatcher:
 
     # --- relaying the tokens, and the end ------------------------------------------------------
 
-    async def chunks(self, f: Flight) -> AsyncIterator[DecodeChunk]:
-        """The decode's chunks, the first one included; finishes the request when they end.
-        A decode that fails mid-stream is migrated (`_migrate`); if it cannot be, ApiError (502)."""
-        error = None
+    async def outputs(self, f: Flight) -> AsyncIterator[Any]:
+        """vLLM `RequestOutput`s of `f` for vLLM's OpenAI layer, once `start` has got the first
+        output: deltas, or (`final_only`) one output with every sample whole. Finishes the request
+        when they end; a decode that fails mid-stream is migrated (`_migrate`), and if it cannot
+        be, ApiError (502)."""
+        from vllm.outputs import RequestOutput
+
+        await f.started
+        error, first = None, True
+        done = [False] * f.n
+        whole: dict[int, Any] = {}  # final_only: each sample's output so far
         try:
-            chunk = f.first_chunk
-            while chunk is not None:
-                stopped = False
-                if f.router_text is not None:
-                    chunk, stopped = _retext(f.router_text, chunk)
-                f.output_ids.extend(chunk.token_ids)
-                f.text_sent.append(chunk.text)
-                if chunk.finish_reason:
-                    f.finish_reason = chunk.finish_reason
-                yield chunk
-                if stopped:  # a stop string the router found: the engine would go on
-                    f.stream.cancel()
-                    break
-                try:
-                    chunk = await f.stream.__anext__()
-                except StopAsyncIteration:
-                    chunk = None
-                except Exception as e:
-                    f.stream.cancel()
-                    # failed after its last token (the end was sent): nothing is missing
-                    chunk = None if f.finish_reason else await self._migrate(f, e)
+            async for index, delta in self._samples(f):
+                done[index] = delta.finish_reason is not None
+                if f.final_only:
+                    if index in whole:
+                        _append(whole[index], delta)
+                    else:
+                        whole[index] = delta
+                    continue
+                yield RequestOutput(f.rid, f.prompt_text, f.prompt_ids, f.prompt_logprobs if first else None,
+                                    [delta], all(done), num_cached_tokens=f.num_cached_tokens)
+                first = False
+            if f.final_only:
+                yield RequestOutput(f.rid, f.prompt_text, f.prompt_ids, f.prompt_logprobs,
+                                    [whole[i] for i in sorted(whole)], True, num_cached_tokens=f.num_cached_tokens)
         except (asyncio.CancelledError, GeneratorExit):
             error = "cancelled by client"
             self.counters.cancelled += 1
-            f.stream.cancel()
+            if f.stream is not None:
+                f.stream.cancel()
             raise
         except ApiError as e:
             error = e.message
             self.counters.failed += 1
             raise
         except Exception as e:
-            error = f"decode failed after {f.generated} tokens: {_last_line(e)}"
+            error = f"decode failed after {f.generated_total} tokens: {_last_line(e)}"
             self.counters.failed += 1
             raise ApiError(error, status=502, kind="upstream_error") from None
         finally:
@@ -552,17 +593,69 @@ class Dispatcher:
                         self.alias_predictor.observe(len(f.prompt_ids), f.slo, f.generated)
             self.finish(f, error=error)
 
-    async def collect(self, f: Flight) -> str:
-        """The whole completion's text (its finish reason is then `f.finish_reason`)."""
-        text, _ = await self.collect_with_logprobs(f)
-        return text
+    async def _samples(self, f: Flight) -> AsyncIterator[tuple[int, Any]]:
+        """(sample index, vLLM CompletionOutput delta) of every sample: sample 0 (`_sample_zero`),
+        then, once its first output is out, samples 1..n-1 on the same decode instance, whose
+        prefix cache now holds the prompt."""
+        zero = self._sample_zero(f)
+        if f.n == 1:
+            async for out in zero:
+                yield 0, out
+            return
+        first = await zero.__anext__()
+        yield 0, first
+        inst = self.registry.get(f.actual_decode)
+        if inst is None:
+            raise RuntimeError(f"decode instance {f.actual_decode} went away")
+        others = [self._other_sample(f, inst, i) for i in range(1, f.n)]
+        from vllm.utils.async_utils import merge_async_iterators
 
-    async def collect_with_logprobs(self, f: Flight) -> tuple[str, list | None]:
-        """The whole completion's text and its per-token logprobs (None when not asked for)."""
-        chunks = [c async for c in self.chunks(f)]
-        asked = f.sampling.get("logprobs") is not None
-        logprobs = [lp for c in chunks for lp in c.logprobs or ()] if asked else None
-        return "".join(c.text for c in chunks), logprobs
+        async for which, out in merge_async_iterators(zero, *others):
+            if which:
+                f.other_samples_tokens += len(out.token_ids)
+            yield out.index, out
+
+    async def _other_sample(self, f: Flight, inst: Instance, index: int) -> AsyncIterator[Any]:
+        """Sample `index` of `f` (n > 1) on `inst`, prefilled there from its prefix cache."""
+        call = GenerateCall(f"{f.rid}-s{index}", f.prompt_ids, self._sample_params(f, index), None, self.router_id)
+        stream, delta = await self._open(f, inst, call)
+        try:
+            while delta is not None:
+                delta.output.index = index
+                yield delta.output
+                try:
+                    delta = await stream.__anext__()
+                except StopAsyncIteration:
+                    delta = None
+        finally:
+            stream.cancel()
+
+    async def _sample_zero(self, f: Flight) -> AsyncIterator[Any]:
+        """Sample 0's CompletionOutput deltas, the first one included; across a migration."""
+        delta = f.first_delta
+        while delta is not None:
+            out, stopped = delta.output, False
+            if f.router_text is not None:
+                stopped = _retext(f.router_text, out)
+            f.output_ids.extend(out.token_ids)
+            f.text_sent.append(out.text)
+            if out.finish_reason:
+                f.finish_reason = out.finish_reason
+            yield out
+            if stopped:  # a stop string the router found: the engine would go on
+                f.stream.cancel()
+                return
+            try:
+                delta = await f.stream.__anext__()
+            except StopAsyncIteration:
+                delta = None
+            except asyncio.CancelledError:
+                f.stream.cancel()
+                raise
+            except Exception as e:
+                f.stream.cancel()
+                # failed after its last token (the end was sent): nothing is missing
+                delta = None if f.finish_reason else await self._migrate(f, e)
 
     def finish(self, f: Flight, error: str | None) -> None:
         """Release the request from the ledger and log it (idempotent); `error` None when served."""

@@ -73,9 +73,10 @@ from typing import TYPE_CHECKING, Any
 
 from serve_app.engine_args import EngineSpec, engine_env, engine_kwargs, on_cpu_platform
 from serve_app.messages import InvalidRequest, TokenLogprob
+from serve_app.sampling import decode_params, prefill_params
 
 if TYPE_CHECKING:  # vLLM is heavy and only needed once an engine starts
-    from vllm import SamplingParams
+    from vllm import RequestOutput, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class PrefillResult:
     prompt_tokens: int
     engine_ttft_s: float  # wall time from prefill() call to the engine's output, this process
     cached_tokens: int = 0  # prompt tokens vLLM took from its prefix cache instead of computing
+    prompt_logprobs: Any = None  # vLLM's, when the sampling parameters asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,16 +359,22 @@ class VllmEngine:
     # -- requests ----------------------------------------------------------------------------
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int],
-                      sampling: Mapping[str, Any]) -> PrefillResult:
+                      sampling: Mapping[str, Any] | SamplingParams) -> PrefillResult:
         """Run the prompt, keep its KV for a remote decode engine, return where it is.
 
+        `sampling`: a request's vLLM `SamplingParams` (its prefill copy is made here:
+        `sampling.prefill_params`) or the seam's sampling dict.
         Raises RuntimeError if vLLM did not publish transfer params (e.g. the request was
         aborted), ValueError for a bad sampling dict or a decode-only engine.
         """
         if not self.spec.role.serves_prefill():
             raise ValueError(f"engine role {self.spec.role.value!r} does not serve prefill")
-        params = _sampling_params(sampling, kv_transfer_params={"do_remote_decode": True},
-                                  max_tokens=1, stream=False, keep_stop=False)
+        if isinstance(sampling, Mapping):
+            params = _sampling_params(sampling, kv_transfer_params={"do_remote_decode": True},
+                                      max_tokens=1, stream=False, keep_stop=False)
+        else:
+            params = _validated(lambda: prefill_params(sampling), {})
+            sampling = _named_fields(params)
         if self._was_aborted(request_id):  # the abort overtook the call on its way here
             raise RequestAborted(f"prefill of {request_id!r} was aborted before it started")
         t0 = time.perf_counter()
@@ -395,7 +403,27 @@ class VllmEngine:
             prompt_tokens=len(prompt_token_ids),
             engine_ttft_s=ttft,
             cached_tokens=int(final.num_cached_tokens or 0),
+            prompt_logprobs=final.prompt_logprobs,
         )
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                       kv_transfer_params: Mapping[str, Any] | None) -> AsyncIterator[RequestOutput]:
+        """vLLM's own outputs, as deltas, for one sample of a request whose KV is at
+        `kv_transfer_params` (None: computed here): the router's OpenAI layer reads them as it
+        would read a local engine's. `params`: the request's `SamplingParams` (the decode's copy is
+        made here: `sampling.decode_params`). Closing the iterator early aborts the request in vLLM."""
+        if kv_transfer_params is not None and not self.spec.role.serves_decode():
+            raise ValueError(f"engine role {self.spec.role.value!r} does not serve decode")
+        if params.n != 1:
+            raise ValueError(f"one sample per engine request (the router fans n out), got n={params.n}")
+        params = _validated(lambda: decode_params(params, dict(kv_transfer_params or {}) or None), {})
+        gen = self._engine.generate(_engine_input(self._engine, prompt_token_ids), params, request_id)
+        try:
+            with _client_errors_as_invalid(_named_fields(params)):
+                async for out in gen:
+                    yield out
+        finally:
+            await gen.aclose()
 
     async def decode(self, request_id: str, prompt_token_ids: Sequence[int],
                      sampling: Mapping[str, Any],
@@ -621,6 +649,23 @@ def _param_of(e: Exception, sampling: Mapping[str, Any]) -> str | None:
     if "structured_outputs" in sampling and any(w in text.lower() for w in ("schema", "grammar", "json")):
         return "structured_outputs"
     return None
+
+
+def _validated(make: Callable[[], SamplingParams], sampling: Mapping[str, Any]) -> SamplingParams:
+    """`make()`, with vLLM's refusal of the values as `InvalidRequest` (the request's fault)."""
+    from vllm.exceptions import VLLMClientError
+
+    try:
+        return make()
+    except (VLLMClientError, ValueError, TypeError) as e:
+        raise InvalidRequest(str(e), _param_of(e, sampling)) from e
+
+
+def _named_fields(params: SamplingParams) -> dict[str, Any]:
+    """The fields an engine's refusal may be about, for `_param_of` to name."""
+    fields = ("logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words", "structured_outputs",
+              "stop_token_ids", "stop", "max_tokens", "min_tokens", "seed")
+    return {f: v for f in fields if (v := getattr(params, f, None)) not in (None, [], {})}
 
 
 @contextmanager

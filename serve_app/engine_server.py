@@ -3,8 +3,10 @@
 Called by the router deployment through the pool's handle with `replica=<this replica's id>`
 (see `pinned_router`):
 - `prefill(call)`: run the prompt, keep its KV for a remote decode; returns where the KV is;
-- `decode(call)`: a stream of token chunks; pulls the KV over NIXL when `kv_transfer_params` is
-  given, prefills locally when it is None (colocated, or the fallback after a failed prefill);
+- `generate(call)`: one sample as a stream of vLLM's own outputs (`OutputDelta`), what the
+  router's OpenAI layer serves; pulls the KV over NIXL when `kv_transfer_params` is given,
+  prefills locally when it is None (colocated, or the fallback after a failed prefill);
+- `decode(call)`: the same as text chunks, for tools that drive engines without the OpenAI layer;
 - `state()`: load signals, polled by the router every `poll_interval_s`;
 - `abort(request_id)`, `release_kv(request_id, kv_transfer_params)` (free a prefill's KV that will
   never be pulled), `reset_prefix_cache()`: control plane;
@@ -44,8 +46,8 @@ from serve_app.config import AppConfig
 from serve_app.engine import ENGINE_PROCESS_MARKERS, RequestAborted, VllmEngine
 from serve_app.engine_args import EngineSpec
 from serve_app.messages import (
-    DecodeCall, DecodeChunk, EngineStateReport, InvalidRequest, PrefillCall, PrefillReply, ProbeCall, ProbeKind,
-    ProbeReply,
+    DecodeCall, DecodeChunk, EngineStateReport, GenerateCall, InvalidRequest, OutputDelta, PrefillCall,
+    PrefillReply, ProbeCall, ProbeKind, ProbeReply,
 )
 from serve_app.ports import claim_port
 from serve_app.probes import first_output_s, median_step_s, random_prompt
@@ -93,6 +95,14 @@ def _joined_logprobs(chunks: list) -> tuple | None:
     if chunks[0].logprobs is None:
         return None
     return tuple(lp for c in chunks for lp in c.logprobs or ())
+
+
+def merged(outputs: list) -> Any:
+    """One vLLM output for consecutive delta outputs of one request (vLLM's own merge)."""
+    first = outputs[0]
+    for nxt in outputs[1:]:
+        first.add(nxt, aggregate=True)
+    return first
 
 
 async def _bounded(step: Awaitable, timeout_s: float, what: str) -> Any:
@@ -258,7 +268,32 @@ class EngineServer:
         finally:
             self.admitted.remove(call.router, call.work_s)
         return PrefillReply(kv_transfer_params=r.kv_transfer_params, first_token_id=r.first_token_id,
-                            engine_ttft_s=r.engine_ttft_s, replica=self.replica_id, cached_tokens=r.cached_tokens)
+                            engine_ttft_s=r.engine_ttft_s, replica=self.replica_id, cached_tokens=r.cached_tokens,
+                            prompt_logprobs=r.prompt_logprobs)
+
+    async def generate(self, call: GenerateCall, replica: str | None = None) -> AsyncIterator[OutputDelta]:
+        first = True
+        t0 = time.perf_counter()
+        stream = self.engine.generate(call.request_id, call.prompt_token_ids, call.params, call.kv_transfer_params)
+        self.admitted.add(call.router, call.work_s)
+        self.streams += 1
+        try:
+            async for outs in coalesce(stream, self._stream_interval_s):
+                out = merged(outs)
+                yield OutputDelta(
+                    output=out.outputs[0], finished=out.finished,
+                    replica=self.replica_id if first else None,
+                    engine_first_token_s=time.perf_counter() - t0 if first else None,
+                    num_cached_tokens=out.num_cached_tokens if first else None,
+                    prompt_logprobs=out.prompt_logprobs if first else None)
+                first = False
+        except InvalidRequest:
+            raise  # the request's fault, not this engine's: it crosses Ray as itself (the router's 400)
+        except Exception as e:
+            raise _with_cause(e) from e
+        finally:
+            self.streams -= 1
+            self.admitted.remove(call.router, call.work_s)
 
     async def decode(self, call: DecodeCall, replica: str | None = None) -> AsyncIterator[DecodeChunk]:
         first = True

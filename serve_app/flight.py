@@ -12,7 +12,7 @@ from typing import Any
 
 from disagg.core.types import Decision, SloClass
 from disagg.core.utility import Choice
-from serve_app.messages import DecodeChunk
+from serve_app.messages import OutputDelta
 from serve_app.router_text import RouterText
 from serve_app.served_model import ServedModel
 
@@ -22,12 +22,16 @@ class Flight:
     """One request from validation to its last token: what was asked, decided and observed."""
 
     rid: str
-    req: Any  # the parsed OpenAI request
     chat: bool
     slo: SloClass
-    prompt_ids: list[int]  # tokenized for `model`
-    sampling: dict
+    prompt_ids: list[int]  # rendered and tokenized for `model` by vLLM's OpenAI layer
+    params: Any  # the request's vLLM SamplingParams
     model: ServedModel | None = None
+    requested_model: str = ""  # the `model` the client named (a served model, or the alias)
+    fields: frozenset[str] = frozenset()  # the request fields the client set (an engine's refusal names one)
+    prompt_text: str | None = None  # the rendered prompt, when there is one (vLLM's `echo` reads it)
+    final_only: bool = False  # the client wants the whole answer at once: the outputs are joined before
+    started: Any = None  # the task that routes, prefills and waits for the first token (`Dispatcher.start`)
     choice: Choice | None = None  # the alias route's choice (None: the request named its model)
     ttft_limit_s: float | None = None  # the alias route's TTFT limit
     lam: float | None = None  # the alias route's λ
@@ -45,9 +49,12 @@ class Flight:
     fallback: str | None = None
     prefill_engine_s: float | None = None
     decode_engine_first_s: float | None = None
-    stream: Any = None  # the decode's response stream
-    first_chunk: DecodeChunk | None = None  # received before answering, relayed first
-    output_ids: list[int] = field(default_factory=list)  # output tokens relayed so far (a migration prefills them)
+    stream: Any = None  # the decode's response stream (sample 0's)
+    first_delta: OutputDelta | None = None  # received before answering, relayed first
+    prompt_logprobs: Any = None  # from the prefill, when asked for (vLLM's `echo`, `prompt_logprobs`)
+    num_cached_tokens: int | None = None  # prompt tokens the engines did not compute (usage's cached_tokens)
+    output_ids: list[int] = field(default_factory=list)  # sample 0's tokens relayed so far (a migration prefills them)
+    other_samples_tokens: int = 0  # the tokens of samples 1..n-1 (n > 1), relayed
     migrated_from: list[str] = field(default_factory=list)  # decode instances that failed mid-stream
     migrated_after: list[int] = field(default_factory=list)  # ... and the output tokens relayed when each did
     text_sent: list[str] = field(default_factory=list)  # the text relayed so far, chunk by chunk
@@ -60,8 +67,18 @@ class Flight:
 
     @property
     def generated(self) -> int:
-        """Output tokens relayed so far."""
+        """Sample 0's output tokens relayed so far."""
         return len(self.output_ids)
+
+    @property
+    def n(self) -> int:
+        """Samples asked for."""
+        return self.params.n
+
+    @property
+    def generated_total(self) -> int:
+        """Output tokens relayed so far, every sample's."""
+        return len(self.output_ids) + self.other_samples_tokens
 
     def route_header(self) -> str:
         """The `x-disagg-route` header: the choice and decision with their costs, and who served."""

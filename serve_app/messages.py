@@ -3,7 +3,10 @@
 The router calls each engine replica through its pool's handle, always with `replica=<id>` as a
 keyword (`pinned_router` reads it):
 - `prefill(PrefillCall) -> PrefillReply`;
-- `decode(DecodeCall)`, a stream of `DecodeChunk`s; the first one names the replica that serves it;
+- `generate(GenerateCall)`, a stream of `OutputDelta`s (vLLM's own outputs): what the router's
+  OpenAI layer serves; the first one names the replica that serves it;
+- `decode(DecodeCall)`, a stream of `DecodeChunk`s: the same with the seam's sampling dict and
+  text records, for the tools that drive engines without the OpenAI layer (warm-up, benchmarks);
 - `state() -> EngineStateReport`, polled by the router's `InstanceRegistry`;
 - `probe(ProbeCall) -> ProbeReply`: a calibration measurement on exactly this engine
   (`/admin/probe`, driven by `disagg calibrate --live`).
@@ -53,7 +56,7 @@ class PrefillCall:
 
     request_id: str  # the engine-side id, unique per attempt (`<request id>-p<attempt>`)
     prompt_token_ids: list[int]  # the tokenized prompt
-    sampling: dict[str, Any]  # OpenAI sampling settings (`max_tokens`, `temperature`, ...)
+    sampling: Any  # the request's vLLM SamplingParams (the engine makes the prefill's copy), or a sampling dict
     router: str = ""  # the router replica that sent it (the engine's ledger is kept per router)
     work_s: float = 0.0  # the prefill work the router priced it at, held in the engine's ledger until it returns
 
@@ -67,6 +70,7 @@ class PrefillReply:
     engine_ttft_s: float  # engine-side time from the call to the prefill's output
     replica: str  # the replica that ran it
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache supplied
+    prompt_logprobs: Any = None  # vLLM's prompt logprobs, when the sampling parameters asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +83,31 @@ class DecodeCall:
     kv_transfer_params: dict[str, Any] | None = None  # a `PrefillReply`'s; None: prefill locally
     router: str = ""  # the router replica that sent it (the engine's ledger is kept per router)
     work_s: float = 0.0  # the decode work the router priced it at, held in the engine's ledger until the end
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateCall:
+    """Generate one sample of a request on a decode (or colocated) engine, as vLLM outputs."""
+
+    request_id: str  # the engine-side id, unique per attempt and sample
+    prompt_token_ids: list[int]  # the tokenized prompt
+    params: Any  # vLLM SamplingParams with n = 1 (the engine makes the decode's copy)
+    kv_transfer_params: dict[str, Any] | None = None  # a `PrefillReply`'s; None: prefill locally
+    router: str = ""  # the router replica that sent it (the engine's ledger is kept per router)
+    work_s: float = 0.0  # the decode work the router priced it at, held in the engine's ledger until the end
+
+
+@dataclass(frozen=True, slots=True)
+class OutputDelta:
+    """What one sample produced since its previous delta (the engine batches them per interval):
+    vLLM's `CompletionOutput` as is, without the prompt vLLM repeats in every output."""
+
+    output: Any  # vLLM CompletionOutput: the new token ids, text, logprobs; finish and stop reason at the end
+    finished: bool
+    replica: str | None = None  # the replica serving the sample (first delta only)
+    engine_first_token_s: float | None = None  # engine-side time from the call to this delta (first only)
+    num_cached_tokens: int | None = None  # prompt tokens the engine's prefix cache or the KV pull supplied (first)
+    prompt_logprobs: Any = None  # computed here (a local prefill) and asked for (first only)
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,8 +59,8 @@ def request_record(f: Flight, error: str | None, now: float, multi_model: bool, 
     replica that routed it."""
     record = {
         "id": f.rid, "time": time.time(), "router": router, "slo_class": f.slo.value, "prompt_tokens": len(f.prompt_ids),
-        "max_tokens": f.sampling["max_tokens"], "predicted_output_tokens": f.predicted,
-        "output_tokens": f.generated, "finish_reason": f.finish_reason, "error": error,
+        "max_tokens": f.params.max_tokens, "n": f.n, "predicted_output_tokens": f.predicted,
+        "output_tokens": f.generated_total, "finish_reason": f.finish_reason, "error": error,
         "prefill": f.actual_prefill, "decode": f.actual_decode, "fallback": f.fallback,
         "migrated_from": f.migrated_from or None, "migrated_after_tokens": f.migrated_after or None,
         "decision": f.decision.as_dict() if f.decision else None, "decision_us": f.decision_us,
@@ -70,7 +70,7 @@ def request_record(f: Flight, error: str | None, now: float, multi_model: bool, 
         "cached_tokens_predicted": f.cached_predicted, "prefill_cached_tokens": f.prefill_cached_tokens,
     }
     if multi_model:
-        record.update({"requested_model": f.req.model, "model": f.model.name if f.model else None})
+        record.update({"requested_model": f.requested_model, "model": f.model.name if f.model else None})
     if f.choice is not None:
         c = f.choice.chosen
         choice = f.choice.as_dict()

@@ -33,14 +33,13 @@ request log carry the whole choice.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
 import time
 import uuid
 from dataclasses import asdict
-from typing import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -61,9 +60,8 @@ from serve_app.dispatcher import Dispatcher
 from serve_app.flight import Flight
 from serve_app.loop_lag import LoopLag
 from serve_app.metrics import RouterMetrics
-from serve_app.openai_api import (
-    STREAM_DONE, ApiError, choice_logprobs, completion_body, new_id, parse_request, stream_chunk, usage,
-)
+from serve_app.openai_api import ApiError, check_media_type, field_error, name_the_field, parse_openai, prompt_sizes
+from serve_app.openai_surface import RequestContext, build_surface, entered, left
 from serve_app.registry import InstanceRegistry
 from serve_app.request_log import Counters, RequestLog
 from serve_app.served_model import ServedModel
@@ -73,7 +71,6 @@ logger = logging.getLogger(__name__)
 ADMIN_TIMEOUT_S = 30.0
 METRICS_INTERVAL_S = 1.0  # how often the counters and the instances' load go to Prometheus
 PREFIX_SHARE_INTERVAL_S = 0.1  # how often a router replica sends its new prefix records to the others
-OFF_LOOP_TOKENIZE_CHARS = 16_384  # longer prompts tokenize in a thread (~1 ms per 1,000 characters)
 
 
 @fastapi_app.exception_handler(StarletteHTTPException)
@@ -136,6 +133,22 @@ def _header_number(request: Request, name: str, minimum_exclusive: bool) -> floa
     return v
 
 
+async def _rendered_ids(model: ServedModel, req: Any, chat: bool) -> list[int] | None:
+    """The request's prompt token ids as `model`'s vLLM layer renders them (the longest of a list of
+    prompts); None when it refuses the request."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.renderers.inputs.preprocess import extract_prompt_components
+
+    serving = model.surface.chat if chat else model.surface.completion
+    req = req.model_copy(update={"model": model.name})  # it named the alias
+    rendered = await (serving.render_chat_request(req) if chat else serving.render_completion_request(req))
+    if isinstance(rendered, ErrorResponse):
+        return None
+    inputs = rendered[1] if chat else rendered
+    mc = model.surface.vllm_config.model_config
+    return max((list(extract_prompt_components(mc, i).token_ids or []) for i in inputs), key=len, default=None)
+
+
 @serve.ingress(fastapi_app)
 class Router:
     async def __init__(self, prefill: DeploymentHandle | None, decode: DeploymentHandle | None, config: dict,
@@ -158,7 +171,7 @@ class Router:
         self.max_body_bytes = rc.max_body_bytes
         self.router_id, rank, self._peers = _replica_identity()
         self.served = {name: ServedModel.build(name, view, pools[name], prices.get(name), prefixed=bool(self.alias),
-                                               replica_index=rank)
+                                               replica_index=rank, surface=self._surface(name, view))
                        for name, view in views.items()}
         self.ledger = Ledger()  # shared by the registry (polls, departures) and the dispatcher (admissions)
         self.counters = Counters()
@@ -182,6 +195,18 @@ class Router:
         self._plan_task = None
         if rank == 0 and not self.alias and (planned := rc.planned_pools(views[next(iter(views))].pools())):
             self._plan_task = asyncio.get_running_loop().create_task(self._plan_forever(planned))
+
+    def _surface(self, name: str, cfg: AppConfig):
+        """vLLM's OpenAI layer for one model, over an engine client that routes through the dispatcher."""
+        def start(f: Flight):
+            return self.dispatcher.start(f)
+
+        def outputs(f: Flight):
+            return self.dispatcher.outputs(f)
+
+        def new_flight(ctx: RequestContext, rid: str, prompt: Any, params: Any) -> Flight:
+            return self._flight(self.served[name], ctx, rid, prompt, params)
+        return build_surface(cfg, start, outputs, new_flight)
 
     def stop_background(self) -> None:
         """Stop polling the engines, measuring the loop's lag, exporting metrics and sharing prefix
@@ -283,13 +308,58 @@ class Router:
     async def models(self, request: Request) -> Response:
         if (refused := self.access.api(request)) is not None:
             return refused
-        data = [{"id": m.name, "object": "model", "owned_by": "disagg", "root": m.cfg.model.source,
-                 "max_model_len": m.cfg.model.max_model_len} for m in self.served.values()]
+        return JSONResponse({"object": "list", "data": await self._model_cards()})
+
+    @fastapi_app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> Response:
+        if (refused := self.access.api(request)) is not None:
+            return refused
+        card = next((c for c in await self._model_cards() if c["id"] == model_id), None)
+        if card is None:
+            return _error(ApiError(f"the model {model_id!r} does not exist", param="model", status=404,
+                                   kind="not_found_error"))
+        return JSONResponse(card)
+
+    async def _model_cards(self) -> list[dict]:
+        """vLLM's model cards of every served model, and the alias's."""
+        cards = []
+        for m in self.served.values():
+            cards.extend(c.model_dump() for c in (await m.surface.models.show_available_models()).data)
         if self.alias:
-            data.append({"id": self.alias, "object": "model", "owned_by": "disagg", "root": None,
-                         "max_model_len": max(m.cfg.model.max_model_len for m in self.served.values()),
-                         "routes_to": list(self.served)})
-        return JSONResponse({"object": "list", "data": data})
+            cards.append({**cards[0], "id": self.alias, "root": None, "parent": None, "permission": [],
+                          "max_model_len": max(m.cfg.model.max_model_len for m in self.served.values()),
+                          "routes_to": list(self.served)})
+        return cards
+
+    @fastapi_app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's `/tokenize`: a prompt or a chat rendered and tokenized as the router prices it."""
+        return self.access.api(request) or await self._tokenization(request, "tokenize")
+
+    @fastapi_app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return self.access.api(request) or await self._tokenization(request, "detokenize")
+
+    async def _tokenization(self, request: Request, op: str) -> Response:
+        from pydantic import TypeAdapter, ValidationError
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+
+        try:
+            check_media_type(request.headers.get("content-type"))
+            raw = await read_body(request, self.max_body_bytes)
+            try:
+                req = TypeAdapter(TokenizeRequest if op == "tokenize" else DetokenizeRequest).validate_json(raw)
+            except ValidationError as e:
+                raise field_error(e) from None
+            model = self._targets(req.model or next(iter(self.served)))[0]
+        except ApiError as e:
+            return _error(e)
+        t = model.surface.tokenization
+        out = await (t.create_tokenize(req, request) if op == "tokenize" else t.create_detokenize(req, request))
+        if isinstance(out, ErrorResponse):
+            return JSONResponse(out.model_dump(), status_code=out.error.code)
+        return JSONResponse(out.model_dump())
 
     @fastapi_app.get("/health")
     async def health(self) -> Response:
@@ -381,83 +451,117 @@ class Router:
     # --- one request ---------------------------------------------------------------------------
 
     async def _handle(self, request: Request, chat: bool) -> Response:
+        """One OpenAI request: the router's checks, then vLLM's serving class of the model, whose
+        engine client routes (`openai_surface`); a stream starts once every prompt's first output is
+        in, so a failure before it still gets its status code, and the headers name the route."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
         self.counters.requests += 1
         try:
             slo = self._slo(request)
             self._shed_if_behind(slo)  # before reading the body: the cheapest answer a busy router can give
-            req = parse_request(await read_body(request, self.max_body_bytes), "chat" if chat else "completion")
+            check_media_type(request.headers.get("content-type"))
+            req = parse_openai(await read_body(request, self.max_body_bytes), "chat" if chat else "completion")
             limit_ms = _header_number(request, "X-TTFT-Limit-Ms", minimum_exclusive=True)
             lam = _header_number(request, "X-Route-Lambda", minimum_exclusive=False)
-            targets = self._may_fit(self._targets(req.model), req)
-            self._admit_or_shed(targets, slo)  # before tokenizing: an overloaded fleet answers at once
-            prompts = await self._tokenize_all(targets, req, chat)
-            if req.model == self.alias:
-                targets = self._fitting(targets, req, prompts)
-            model = targets[0]
-            sampling = model.sampling(req, len(prompts[model.name]))
+            if req.model is None:  # vLLM serves its first model; the router, the alias if it has one
+                req.model = self.alias or next(iter(self.served))
+            targets = self._may_fit(self._targets(req.model), req, chat)
+            self._admit_or_shed(targets, slo)  # before rendering: an overloaded fleet answers at once
         except ApiError as e:
             if e.status != 429:  # a shed request was valid: counted as shed_429 instead
                 self.counters.rejected_400 += 1
             return _error(e)
-        flight = Flight(new_id("chatcmpl" if chat else "cmpl"), req, chat, slo, prompts[model.name], sampling, model)
-        flight.lam = self.lam if lam is None else lam
-        flight.ttft_limit_s = limit_ms / 1e3 if limit_ms is not None else self._default_limit_s(slo)
-        alias_prompts = {m.name: prompts[m.name] for m in targets} if req.model == self.alias else None
+        ctx = RequestContext(slo, limit_ms / 1e3 if limit_ms is not None else self._default_limit_s(slo),
+                             self.lam if lam is None else lam, chat, requested_model=req.model,
+                             fields=frozenset(req.model_fields_set))
+        token = entered(ctx)
+        result: Any = None
         try:
-            await self.dispatcher.start(flight, alias_prompts)
+            model = await self._choose_for_alias(targets, req, ctx) if req.model == self.alias else targets[0]
+            serving = model.surface.chat if chat else model.surface.completion
+            result = await (serving.create_chat_completion(req, request) if chat
+                            else serving.create_completion(req, request))
+            if not isinstance(result, ErrorResponse):
+                await asyncio.gather(*(f.started for f in ctx.flights))
         except ApiError as e:
+            self._abandon(ctx, result)
+            if e.status < 500 and e.status != 429 and not ctx.flights:
+                self.counters.rejected_400 += 1
             return _error(e)
-        headers = {"x-disagg-route": flight.route_header(), "x-disagg-router": self.router_id}
-        if req.stream:
-            return StreamingResponse(self._sse(flight), media_type="text/event-stream", headers=headers)
-        try:
-            text, logprobs = await self.dispatcher.collect_with_logprobs(flight)
-        except ApiError as e:
-            return _error(e)
-        ids = (flight.prompt_ids, flight.output_ids) if req.return_token_ids else None
-        body = completion_body(flight.rid, flight.model.name, text, flight.finish_reason,
-                               usage(len(flight.prompt_ids), flight.generated), chat,
-                               logprobs=choice_logprobs(logprobs, chat), token_ids=ids)
-        return JSONResponse(body, headers=headers)
+        except asyncio.CancelledError:
+            self._abandon(ctx, result)
+            raise
+        except Exception as e:  # what vLLM's server answers for its own layer's exceptions (a 400 for its checks)
+            self._abandon(ctx, result)
+            result = create_error_response(e)
+            if result.error.code >= 500:
+                logger.exception("router: vLLM's OpenAI layer failed")
+        finally:
+            left(token)
+        if isinstance(result, ErrorResponse):
+            self._abandon(ctx, None)
+            name_the_field(result, req, "messages" if chat else "prompt")
+            if result.error.code < 500:
+                self.counters.rejected_400 += 1
+            return JSONResponse(result.model_dump(), status_code=result.error.code)
+        headers = {"x-disagg-route": " | ".join(f.route_header() for f in ctx.flights),
+                   "x-disagg-router": self.router_id}
+        if hasattr(result, "__aiter__"):
+            return StreamingResponse(result, media_type="text/event-stream", headers=headers)
+        return JSONResponse(result.model_dump(), headers=headers)
+
+    def _abandon(self, ctx: RequestContext, result: Any) -> None:
+        """A request that ends before its answer streams: every prompt's flight ends with it."""
+        for f in ctx.flights:
+            self.dispatcher.abandon(f)
+        if hasattr(result, "aclose"):
+            asyncio.get_running_loop().create_task(result.aclose())
+
+    def _flight(self, model: ServedModel, ctx: RequestContext, rid: str, prompt: Any, params: Any) -> Flight:
+        """The record of one prompt of a request, as vLLM's layer hands it to the engine client."""
+        from vllm.renderers.inputs.preprocess import extract_prompt_components
+        from vllm.sampling_params import RequestOutputKind
+
+        parts = extract_prompt_components(model.surface.vllm_config.model_config, prompt)
+        if parts.token_ids is None:
+            raise ApiError("prompt embeddings are not served on the disaggregated path", param="prompt_embeds")
+        f = Flight(rid, ctx.chat, ctx.slo, list(parts.token_ids), params, model, requested_model=ctx.requested_model,
+                   fields=ctx.fields, prompt_text=parts.text,
+                   final_only=params.output_kind == RequestOutputKind.FINAL_ONLY)
+        f.lam, f.ttft_limit_s = ctx.lam, ctx.ttft_limit_s
+        if ctx.alias is not None:
+            f.choice, f.predicted, f.alias_us = ctx.alias.choice, ctx.alias.predicted, ctx.alias.decision_us
+        return f
+
+    async def _choose_for_alias(self, targets: list[ServedModel], req: Any, ctx: RequestContext) -> ServedModel:
+        """The alias route: render the request for every candidate model, keep those whose context
+        window holds it, and let `choose_model` pick by accuracy − λ·cost within the TTFT limit."""
+        prompts = {}
+        for m in targets:
+            ids = await _rendered_ids(m, req, ctx.chat)
+            if ids is not None and len(ids) + (req.max_tokens or 1) <= m.cfg.model.max_model_len:
+                prompts[m.name] = ids
+        if not prompts:
+            largest = max(m.cfg.model.max_model_len for m in targets)
+            raise ApiError(f"no model's context window holds the prompt and max_tokens {req.max_tokens} "
+                           f"(largest {largest})", param="messages" if ctx.chat else "prompt")
+        ctx.alias = self.dispatcher.choose_model(prompts, req.max_tokens, bool(req.ignore_eos), ctx.slo,
+                                                 ctx.ttft_limit_s, ctx.lam)
+        req.model = ctx.alias.choice.model
+        return self.served[req.model]
 
     @staticmethod
-    def _may_fit(targets: list[ServedModel], req) -> list[ServedModel]:
-        """The targets whose context window the prompt may fit by its size alone (no tokenizing);
+    def _may_fit(targets: list[ServedModel], req: Any, chat: bool) -> list[ServedModel]:
+        """The targets whose context window the prompt may fit by its size alone (no rendering);
         400 when none may (the alias drops the others, a named model has no others)."""
-        errors = {m.name: m.too_long(req) for m in targets}
+        sizes = prompt_sizes(req, chat)
+        errors = {m.name: m.too_long(sizes, "messages" if chat else "prompt") for m in targets}
         fit = [m for m in targets if errors[m.name] is None]
         if not fit:
             raise errors[targets[0].name]
         return fit
-
-    async def _tokenize_all(self, targets: list[ServedModel], req, chat: bool) -> dict[str, list[int]]:
-        """Each target's tokenized prompt; a long prompt in a worker thread, so the loop keeps serving
-        (the tokenizers are only read there, never reconfigured)."""
-        def run() -> dict[str, list[int]]:
-            return {m.name: self._tokenize(m, req, chat) for m in targets}
-        if req.prompt_chars > OFF_LOOP_TOKENIZE_CHARS:
-            return await asyncio.to_thread(run)
-        return run()
-
-    async def _sse(self, f: Flight) -> AsyncIterator[bytes]:
-        """The completion as server-sent events; a decode failing mid-stream ends it with an error event."""
-        model = f.model.name
-        first = True
-        offset = 0  # completions' text_offset runs across chunks
-        try:
-            async for c in self.dispatcher.chunks(f):
-                asked = f.sampling.get("logprobs") is not None
-                lps = choice_logprobs(c.logprobs or (), f.chat, offset) if asked else None
-                ids = (f.prompt_ids if first else None, c.token_ids) if f.req.return_token_ids else None
-                yield stream_chunk(f.rid, model, c.text, c.finish_reason, f.chat, first=first, logprobs=lps,
-                                   token_ids=ids)
-                offset += sum(len(lp.token) for lp in c.logprobs or ())
-                first = False
-        except ApiError as e:
-            yield b"data: " + json.dumps(e.body()).encode() + b"\n\n"
-        if f.req.include_usage:
-            yield stream_chunk(f.rid, model, "", None, f.chat, usage=usage(len(f.prompt_ids), f.generated))
-        yield STREAM_DONE
 
     def _shed_if_behind(self, slo: SloClass) -> None:
         """429 with Retry-After when this router's own event loop is too far behind (`shed_for_lag`)."""
@@ -492,45 +596,14 @@ class Router:
         """The SLO class's TTFT target: the strictest among the models' cost models."""
         return min(m.cost_model.target(slo).ttft_s for m in self.served.values())
 
-    def _targets(self, name: str) -> list[ServedModel]:
+    def _targets(self, name: str | None) -> list[ServedModel]:
+        """The models a request naming `name` may go to (no name: the alias's, or the one model's)."""
+        if name is None:
+            name = self.alias or next(iter(self.served))
         if name in self.served:
             return [self.served[name]]
         if name == self.alias:
             return list(self.served.values())
         served = sorted(self.served) + ([self.alias] if self.alias else [])
-        raise ApiError(f"unknown model {name!r}; served: {', '.join(repr(s) for s in served)}", param="model")
-
-    def _fitting(self, models: list[ServedModel], req, prompts: dict[str, list[int]]) -> list[ServedModel]:
-        """The alias's candidate models: those whose context window holds the prompt and max_tokens."""
-        ok = [m for m in models if len(prompts[m.name]) + (req.max_tokens or 1) <= m.cfg.model.max_model_len]
-        if not ok:
-            p = max(len(v) for v in prompts.values())
-            too_long = all(len(prompts[m.name]) >= m.cfg.model.max_model_len for m in models)
-            param = ("messages" if hasattr(req, "messages") else "prompt") if too_long else "max_tokens"
-            raise ApiError(f"the prompt has {p} tokens and max_tokens is {req.max_tokens}: no model's context "
-                           f"window holds them (largest {max(m.cfg.model.max_model_len for m in models)})",
-                           param=param)
-        return ok
-
-    def _tokenize(self, model: ServedModel, req, chat: bool) -> list[int]:
-        tok = model.tokenizer
-        if chat:
-            msgs = [m.model_dump() for m in req.messages]
-            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):  # recent transformers return a BatchEncoding (a mapping, not a list)
-                ids = ids["input_ids"]
-            param = "messages"
-        elif isinstance(req.prompt, list):
-            vocab = len(tok)
-            bad = next((t for t in req.prompt if t >= vocab), None)
-            if bad is not None:
-                raise ApiError(f"token id {bad} is outside the vocabulary (size {vocab})", param="prompt")
-            ids, param = list(req.prompt), "prompt"
-        else:
-            ids, param = tok.encode(req.prompt), "prompt"
-        limit = model.cfg.model.max_model_len
-        if not ids:
-            raise ApiError("the prompt is empty after tokenization", param=param)
-        if len(ids) >= limit and req.model != self.alias:  # the alias drops the models it does not fit
-            raise ApiError(f"the prompt has {len(ids)} tokens; the context window is {limit}", param=param)
-        return list(ids)
+        raise ApiError(f"the model {name!r} does not exist; served: {', '.join(repr(s) for s in served)}",
+                       param="model", status=404, kind="not_found_error")  # vLLM's answer

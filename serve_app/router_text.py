@@ -38,13 +38,15 @@ class RouterText:
 
     def __init__(self, decode: Callable[[list[int]], str], prompt_ids: Sequence[int], output_ids: Sequence[int],
                  text_sent: str = "", stop: str | list[str] | None = None,
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, include_stop: bool = False) -> None:
         self._decode = decode
         self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
         self._prefix, self._read = 0, len(self._ids)  # vLLM's offsets: the text so far is decode(ids[prefix:read])
         self.stop = [stop] if isinstance(stop, str) else list(stop or ())
         self._hold = max(map(len, self.stop)) - 1 if self.stop else 0  # what could begin a stop string
         self.min_tokens = min_tokens
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output: the stop string ends the text
+        self.stopped_by: str | None = None  # the stop string that ended the answer
         self.tokens = 0  # output tokens, before the migration included
         self.text = ""  # the output text, as vLLM would have made it
         for t in output_ids:
@@ -85,7 +87,8 @@ class RouterText:
                 start, end = hit
                 kept = bisect_left(offsets, end, lo=1)  # the token that completed the stop string is kept
                 self.tokens = before + kept
-                self.text = self.text[:start]
+                self.stopped_by = self.text[start:end]
+                self.text = self.text[:end] if self.include_stop else self.text[:start]
                 finished = True
         end = len(self.text) if finished else len(self.text) - self._hold
         out = self.text[self.sent:end] if end > self.sent else ""

@@ -5,7 +5,7 @@ With several models (a `MultiModelConfig`) each model keeps its own of all of th
 naming a model is routed within that model's pools only; its instance ids are prefixed with
 `<served name>:`. The P/D policy and the cost model can be swapped at run time (`/admin/*`).
 
-Before tokenizing, `too_long` refuses a prompt that cannot fit from its size alone: one token never
+Before rendering, `too_long` refuses a prompt that cannot fit from its size alone: one token never
 covers more characters than the longest entry of the vocabulary (`max_token_chars`: byte-level BPE
 spells a token with one character per byte, and a token's text never has more characters than its
 bytes), so a prompt of more than `max_model_len × max_token_chars × PROMPT_CHARS_MARGIN` characters
@@ -51,6 +51,7 @@ class ServedModel:
     streams: dict[Role, Any] = field(default_factory=dict)  # every pool's handle in streaming mode
     max_token_chars: int = 0  # the longest vocabulary entry, in characters (0: unknown, no pre-check)
     prefix_index: PrefixIndex | None = None  # which prefixes each instance holds; from the first engine report on
+    surface: Any = None  # vLLM's OpenAI layer for this model (`openai_surface.ServingSurface`)
 
     def __post_init__(self) -> None:
         # a prefill engine streams too when the policy serves a request whole there (`Policy.may_host`)
@@ -60,13 +61,16 @@ class ServedModel:
 
     @classmethod
     def build(cls, name: str, cfg: AppConfig, handles: dict[str, DeploymentHandle], prices: ModelPrices | None,
-              prefixed: bool, replica_index: int = 0) -> "ServedModel":
-        """From the model's config and its pools' handles ({role value: handle}); loads the tokenizer.
-        `prefixed`: the app serves several models, so instance ids name the model; `replica_index`:
-        this router replica's rank (its policy's tie-break seed is derived from it)."""
+              prefixed: bool, replica_index: int = 0, surface: Any = None) -> "ServedModel":
+        """From the model's config and its pools' handles ({role value: handle}). `surface`: vLLM's
+        OpenAI layer for the model (`openai_surface.build_surface`), whose tokenizer the router counts
+        tokens with (None: the model's tokenizer alone). `prefixed`: the app serves several models, so
+        instance ids name the model; `replica_index`: this router replica's rank (its policy's
+        tie-break seed is derived from it)."""
         cm = load_cost_model(cfg.router.cost_model)
+        tokenizer = surface.tokenizer if surface is not None else _tokenizer(cfg.model.source)
         return cls(name=name, cfg=cfg, handles={Role(r): h for r, h in handles.items()},
-                   tokenizer=_tokenizer(cfg.model.source), cost_model=cm,
+                   tokenizer=tokenizer, cost_model=cm, surface=surface,
                    policy=build_policy(cfg.router.policy, cm, cfg.router.policy_params).for_replica(replica_index),
                    policy_params=dict(cfg.router.policy_params), predictor=BucketMeanPredictor(),
                    id_prefix=f"{name}:" if prefixed else "", prices=prices)
@@ -82,38 +86,18 @@ class ServedModel:
         """The role of the engines a request of this model starts on (the alias route's candidates)."""
         return Role.BOTH if self.cfg.is_colocated else Role.PREFILL
 
-    def sampling(self, req, prompt_tokens: int) -> dict:
-        """The request's sampling settings for this model; `max_tokens` defaults to the room left in the
-        context window. 400 naming `max_tokens` when the prompt and `max_tokens` do not fit."""
-        limit = self.cfg.model.max_model_len
-        room = limit - prompt_tokens
-        if req.max_tokens is not None and req.max_tokens > room:
-            raise ApiError(f"max_tokens {req.max_tokens} + {prompt_tokens} prompt tokens exceed the context "
-                           f"window of {limit}", param="max_tokens")
-        if req.min_tokens > (req.max_tokens or room):
-            raise ApiError(f"min_tokens {req.min_tokens} exceeds the {room} tokens left in the context window",
-                           param="min_tokens")
-        vocab = len(self.tokenizer)
-        for field, ids in (("logit_bias", [int(k) for k in req.logit_bias or ()]),
-                           ("stop_token_ids", req.stop_token_ids or ())):
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise ApiError(f"{field}: token id {bad} is outside the vocabulary (size {vocab})", param=field)
-        return req.sampling(default_max_tokens=room)
-
-    def too_long(self, req) -> ApiError | None:
+    def too_long(self, sizes: list[tuple[int, bool]], param: str) -> ApiError | None:
         """A 400 for a prompt that cannot fit from its size alone (see the module docstring), else None.
-        Cheap: no tokenizing, so an oversize prompt is refused in microseconds."""
+        `sizes`: each prompt's (size, in tokens) (`openai_api.prompt_sizes`). Cheap: no rendering, so
+        an oversize prompt is refused in microseconds."""
         limit = self.cfg.model.max_model_len
-        param = "messages" if hasattr(req, "messages") else "prompt"
-        if isinstance(getattr(req, "prompt", None), list):
-            if len(req.prompt) >= limit:
-                return ApiError(f"the prompt has {len(req.prompt)} tokens; the context window is {limit}", param=param)
-            return None
-        bound = limit * self.max_token_chars * PROMPT_CHARS_MARGIN
-        if self.max_token_chars and req.prompt_chars > bound:
-            return ApiError(f"the prompt has {req.prompt_chars} characters: more than the context window of {limit} "
-                            f"tokens can hold (at most {self.max_token_chars} characters per token)", param=param)
+        for size, in_tokens in sizes:
+            if in_tokens and size >= limit:
+                return ApiError(f"the prompt has {size} tokens; the context window is {limit}", param=param)
+            bound = limit * self.max_token_chars * PROMPT_CHARS_MARGIN
+            if not in_tokens and self.max_token_chars and size > bound:
+                return ApiError(f"the prompt has {size} characters: more than the context window of {limit} "
+                                f"tokens can hold (at most {self.max_token_chars} characters per token)", param=param)
         return None
 
 

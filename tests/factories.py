@@ -169,6 +169,48 @@ def stream_token_ids(events: Iterable[str]) -> tuple[list[int] | None, list[int]
     return prompt, output
 
 
+def as_output_deltas(chunks):
+    """A stand-in decode's `DecodeChunk`s as the `OutputDelta`s (vLLM `CompletionOutput`s) an engine
+    replica's `generate` streams; the stream's `cancel` passes through."""
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput
+
+    from serve_app.messages import OutputDelta
+
+    def logprobs(chunk):
+        if chunk.logprobs is None:
+            return None
+        steps = []  # as vLLM orders them: the sampled token first, then the top alternatives by rank
+        for tid, lp in zip(chunk.token_ids, chunk.logprobs):
+            top = {tid if text == lp.token else 10_000 + rank: Logprob(value, rank=rank, decoded_token=text)
+                   for rank, (text, value) in enumerate(lp.top, start=1)}
+            sampled = top.pop(tid, Logprob(lp.logprob, rank=len(lp.top) + 1, decoded_token=lp.token))
+            steps.append({tid: sampled, **top})
+        return steps
+
+    class Deltas:
+        def __init__(self) -> None:
+            self.chunks = chunks
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            c = await self.chunks.__anext__()
+            out = CompletionOutput(0, c.text, list(c.token_ids), None, logprobs(c), c.finish_reason)
+            return OutputDelta(out, c.finish_reason is not None, replica=c.replica,
+                               engine_first_token_s=c.engine_first_token_s)
+
+        def cancel(self) -> None:
+            if hasattr(self.chunks, "cancel"):
+                self.chunks.cancel()
+
+        def __getattr__(self, name):
+            return getattr(self.chunks, name)
+
+    return Deltas()
+
+
 class BroadcastResults:
     """What a pool handle's `broadcast(...)` returns: the replies, fetched with `results_async`."""
 
@@ -226,6 +268,14 @@ class StandInPool:
     @property
     def decode(self) -> "_PinnedMethod":
         return _PinnedMethod(self, "decode", self.decode_stream)
+
+    @property
+    def generate(self) -> "_PinnedMethod":
+        return _PinnedMethod(self, "decode", self.generate_stream)
+
+    def generate_stream(self, call, replica: str):
+        """`decode_stream`'s chunks as the engines' `generate` streams them: vLLM's outputs."""
+        return as_output_deltas(self.decode_stream(call, replica))
 
     async def release_reply(self, call, replica: str) -> None:
         return None

@@ -96,7 +96,7 @@ class _Pool(StandInPool):
     """Replicas `ids`; decodes stream `max_tokens` one-token chunks."""
 
     def decode_stream(self, call, replica):
-        return _Stream(replica, call.sampling["max_tokens"])
+        return _Stream(replica, call.params.max_tokens)
 
 
 # --- the router over HTTP, in-process --------------------------------------------------------------

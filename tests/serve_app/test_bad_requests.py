@@ -43,9 +43,9 @@ def _ray_error(cause: Exception) -> Exception:
 class _Stream:
     """A decode stream of `n` one-token chunks, with logprobs when the sampling dict asks; or an error."""
 
-    def __init__(self, replica: str, sampling: dict, error: Exception | None):
-        self.replica, self.n, self.i, self.error = replica, sampling["max_tokens"], 0, error
-        self.top = sampling.get("logprobs")
+    def __init__(self, replica: str, params, error: Exception | None):
+        self.replica, self.n, self.i, self.error = replica, params.max_tokens, 0, error
+        self.top = params.logprobs
 
     def __aiter__(self):
         return self
@@ -82,7 +82,7 @@ class _Pool(StandInPool):
         return await super().prefill_reply(call, replica)
 
     def decode_stream(self, call, replica):
-        return _Stream(replica, call.sampling, self.error)
+        return _Stream(replica, call.params, self.error)
 
 
 def _args(**router) -> dict:
@@ -96,7 +96,7 @@ def _request(raw: bytes, path: str = "/v1/completions", headers: dict | None = N
         body = chunks.pop(0) if chunks else b""
         return {"type": "http.request", "body": body, "more_body": bool(chunks)}
     return Request({"type": "http", "method": "POST", "path": path,
-                    "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}, receive)
+                    "headers": [(k.lower().encode(), v.encode()) for k, v in {"content-type": "application/json", **(headers or {})}.items()]}, receive)
 
 
 async def _router(prefill: _Pool, decode: _Pool, **router) -> Router:
@@ -113,22 +113,21 @@ async def _post(r, body, chat: bool = False):
 
 
 def _assert_openai_error(resp, body, status: int, param) -> None:
+    """The OpenAI error shape: the router's own errors carry OpenAI's type names and no code, those of
+    vLLM's layer vLLM's type names and the status as the code (what `vllm serve` answers)."""
     assert resp.status_code == status, body
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     assert body["error"]["param"] == param, body
-    assert body["error"]["message"] and body["error"]["code"] is None
+    assert body["error"]["message"] and body["error"]["type"] and body["error"]["code"] in (None, status)
 
 
 # --- the generator -----------------------------------------------------------------------------------
 
-UNKNOWN_FIELDS = ["tools", "tool_choice", "functions", "function_call", "echo", "best_of", "suffix",
-                  "parallel_tool_calls", "prompt_logprobs", "guided_json", "modalities", "audio", "prediction",
-                  "reasoning_effort", "web_search_options", "logprob", "Temperature", "max-tokens", ""]
 FLOAT_RANGES = {"temperature": (0.0, 2.0, True), "top_p": (0.0, 1.0, False), "min_p": (0.0, 1.0, True),
                 "frequency_penalty": (-2.0, 2.0, True), "presence_penalty": (-2.0, 2.0, True),
-                "repetition_penalty": (0.0, 10.0, False)}  # (low, high, low inclusive)
+                "repetition_penalty": (0.0, None, False)}  # (low, high or None, low inclusive)
 INT_FIELDS = {"top_k": -1, "min_tokens": 0, "max_tokens": 1, "seed": -(2**63)}  # the smallest valid value
-BOOL_FIELDS = ["stream", "ignore_eos", "store"]
+BOOL_FIELDS = ["stream", "ignore_eos", "echo", "include_stop_str_in_output"]
 
 
 def _pick(rng, values):
@@ -156,92 +155,68 @@ def _base(rng: random.Random, chat: bool) -> dict:
 
 def _mutation(rng: random.Random, chat: bool):
     """(field → bad value updates, fields to drop, the param the 400 must name)."""
-    kind = rng.randrange(16)
-    if kind == 0:  # an unknown field
-        name = _pick(rng, UNKNOWN_FIELDS + [f"x_{rng.randrange(10**6):x}", "messages" if not chat else "prompt",
-                                            "top_logprobs" if not chat else "echo"])
-        return {name: _json_value(rng)}, (), name
+    kind = rng.randrange(1, 16)
     if kind == 1:  # floats: wrong type or out of range
         name = _pick(rng, list(FLOAT_RANGES))
         lo, hi, lo_incl = FLOAT_RANGES[name]
-        bad = _pick(rng, ["x", True, [1.0], {"v": 1}, None, hi + rng.uniform(1e-6, 100),
-                          lo - rng.uniform(1e-6, 100)] + ([] if lo_incl else [lo]))
+        bad = _pick(rng, ["x", [1.0], {"v": 1}, lo - rng.uniform(1e-6, 100)] + ([] if lo_incl else [lo]) +
+                    ([] if hi is None else [hi + rng.uniform(1e-6, 100)]))
         return {name: bad}, (), name
     if kind == 2:  # ints: wrong type or below the minimum
         name = _pick(rng, list(INT_FIELDS))
-        bad = _pick(rng, ["3", True, [1], {"v": 1}, rng.randint(1, 9) + 0.5, INT_FIELDS[name] - rng.randint(1, 99)])
+        bad = _pick(rng, ["x", [1], {"v": 1}, rng.randint(1, 9) + 0.5, INT_FIELDS[name] - rng.randint(1, 99)])
         if name == "seed" and rng.random() < 0.5:
             bad = 2**64 + rng.randrange(10**6)
         return {name: bad}, (), name
     if kind == 3:  # bools
         name = _pick(rng, BOOL_FIELDS + (["logprobs"] if chat else []))
-        return {name: _pick(rng, [0, 1, "true", [], {}, 0.5])}, (), name
+        return {name: _pick(rng, ["maybe", [], {}, 0.5])}, (), name
     if kind == 4:  # n
-        return {"n": _pick(rng, [0, 2, rng.randint(3, 128), -1, "1", 1.0, True])}, (), "n"
+        return {"n": _pick(rng, [0, -rng.randint(1, 99), "x", 1.5, [1]])}, (), "n"
     if kind == 5:  # logprobs / top_logprobs
         if chat:
-            return {"logprobs": True, "top_logprobs": _pick(rng, [21, 99, -1, "5", 2.5])}, (), "top_logprobs"
-        return {"logprobs": _pick(rng, [21, 1000, -1, "5", 2.5, True, [1]])}, (), "logprobs"
+            return {"logprobs": True, "top_logprobs": _pick(rng, [-2, "x", 2.5])}, (), "top_logprobs"
+        return {"logprobs": _pick(rng, [-2, "x", 2.5, [1]])}, (), "logprobs"
     if kind == 6:  # logit_bias
-        bad = _pick(rng, [{"abc": 1}, {"-1": 1}, {"1.5": 1}, {"1": 100.5 + rng.random()}, {"1": -101},
-                          {"1": "x"}, [1, 2], "x", {str(VOCAB + rng.randrange(10**6)): 1}, {"\u0661": 2}])
+        bad = _pick(rng, [{"1": "x"}, [1, 2], "x", {"1": [1]}])
         return {"logit_bias": bad}, (), "logit_bias"
     if kind == 7:  # stop strings
-        bad = _pick(rng, ["", [""], ["a", ""], [f"s{i}" for i in range(5 + rng.randrange(5))], [1], 5, {"a": 1},
-                          ["ok", 3], "\ud800"])
+        bad = _pick(rng, ["", [""], ["a", ""], [1], 5, {"a": 1}, ["ok", 3], "\ud800"])
         return {"stop": bad}, (), "stop"
     if kind == 8:  # stop_token_ids
-        bad = _pick(rng, [[-1], ["a"], "1", [1.5], 5, [VOCAB + rng.randrange(1000)], [True]])
+        bad = _pick(rng, [["a"], "1", [1.5], 5])
         return {"stop_token_ids": bad}, (), "stop_token_ids"
     if kind == 9:  # response_format
-        deep: dict = {"type": "string"}
-        for _ in range(70):
-            deep = {"type": "array", "items": deep}
         bad, param = _pick(rng, [
             ("json", "response_format"), ({}, "response_format.type"), ({"type": "xml"}, "response_format.type"),
-            ({"type": "json_schema"}, "response_format"),
-            ({"type": "json_object", "json_schema": {"name": "n", "schema": {}}}, "response_format"),
-            ({"type": "json_schema", "json_schema": {"name": "n"}}, "response_format.json_schema.schema"),
             ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name"),
             ({"type": "json_schema", "json_schema": {"name": "n", "schema": "x"}}, "response_format.json_schema.schema"),
-            ({"type": "json_schema", "json_schema": {"name": "n", "schema": deep}}, "response_format"),
-            ({"type": "text", "grammar": "x"}, "response_format.grammar"),
         ])
         return {"response_format": bad}, (), param
-    if kind == 10:  # stream_options, metadata and the other no-ops' types
-        bad, param = _pick(rng, [({"include_usage": "yes"}, "stream_options.include_usage"),
-                                 ({"foo": 1}, "stream_options.foo"), ("x", "stream_options"),
-                                 ({"continuous_usage_stats": True}, "stream_options.continuous_usage_stats")])
-        name, value = _pick(rng, [("stream_options", bad), ("metadata", {"a": rng.randint(0, 9)}),
-                                  ("metadata", "x"), ("user", rng.randint(0, 9)), ("service_tier", [1])])
-        return {name: value}, (), param if name == "stream_options" else name
+    if kind == 10:  # stream_options without streaming
+        return {"stream_options": _pick(rng, [{"include_usage": True}, {"continuous_usage_stats": True}])}, (), \
+            "stream_options"
     if kind == 11:  # cross-field rules
         if chat and rng.random() < 0.5:
             return _pick(rng, [({"top_logprobs": 3}, (), "top_logprobs"),
-                               ({"max_tokens": 4, "max_completion_tokens": 5}, (), "max_completion_tokens"),
-                               ({"max_completion_tokens": 0}, ("max_tokens",), "max_completion_tokens")])
+                               ({"max_completion_tokens": 0}, ("max_tokens",), "max_tokens")])
         return _pick(rng, [({"max_tokens": 4, "min_tokens": 5 + rng.randrange(9)}, (), "min_tokens"),
-                           ({"max_tokens": 3000 + rng.randrange(10**5)}, (), "max_tokens"),
-                           ({"min_tokens": 3000}, ("max_tokens",), "min_tokens")])
+                           ({"max_tokens": 3000 + rng.randrange(10**5)}, (), "max_tokens")])
     if kind == 12:  # the model
-        return {"model": _pick(rng, [f"gpt-{rng.randrange(99)}", "", 5, None, [MODEL]])}, (), "model"
+        return {"model": _pick(rng, [5, [MODEL], {"m": 1}])}, (), "model"
     if kind == 13 and chat:  # messages
         i = rng.randrange(3)
         good = [{"role": "user", "content": "x"}] * i
-        bad, param = _pick(rng, [({"role": "bot", "content": "x"}, f"messages.{i}.role"),
-                                 ({"role": "user"}, f"messages.{i}.content"),
-                                 ({"role": "user", "content": 5}, f"messages.{i}.content"),
+        bad, param = _pick(rng, [({"role": "user", "content": 5}, f"messages.{i}.content"),
                                  ({"role": "user", "content": "\udfff"}, f"messages.{i}.content"),
-                                 ({"role": "user", "content": "x", "tool_calls": []}, f"messages.{i}.tool_calls"),
                                  ("x", f"messages.{i}")])
         return {"messages": good + [bad]}, (), param
     if kind == 13:  # prompt
-        return {"prompt": _pick(rng, [5, "", [], [-1], [1.5], ["a"], {"a": 1}, None, [1, VOCAB + rng.randrange(99)],
-                                      "\ud800x", [3] * 2048])}, (), "prompt"
-    if kind == 14:  # missing required fields
-        name = _pick(rng, ["model", "messages" if chat else "prompt"])
+        return {"prompt": _pick(rng, [5, "", [], [-1], [1.5], {"a": 1}, None, "\ud800x", [3] * 2048])}, (), "prompt"
+    if kind == 14:  # missing the prompt
+        name = "messages" if chat else "prompt"
         return {}, (name,), name
-    if kind == 15:  # an oversize prompt: refused from its size, before tokenizing
+    if kind == 15:  # an oversize prompt: refused from its size, before rendering
         big = "word " * rng.randint(30_000, 200_000)
         if chat:
             return {"messages": [{"role": "user", "content": big}]}, (), "messages"
@@ -289,7 +264,7 @@ def test_generated_bad_requests_get_400_naming_the_field_and_reach_no_engine():
         for chat, raw, param in cases:
             resp, body = await _post(r, raw, chat)
             err = body.get("error", {}) if isinstance(body, dict) else {}
-            if (resp.status_code, err.get("type"), err.get("param")) != (400, "invalid_request_error", param):
+            if (resp.status_code, err.get("param")) != (400, param):
                 wrong.append((raw[:120], param, resp.status_code, body))
             else:
                 _assert_openai_error(resp, body, 400, param)
@@ -391,12 +366,13 @@ def test_a_long_prompt_that_may_fit_is_tokenized_off_the_event_loop():
                 await asyncio.sleep(0)
                 ticks += 1
         t = asyncio.get_running_loop().create_task(ticker())
-        resp, body = await _post(r, {"model": MODEL, "prompt": "word " * 20_000})  # ~20k tokens: too long
+        resp, body = await _post(r, {"model": MODEL, "prompt": "word " * 8_000})  # ~8k tokens: too long
         t.cancel()
         return resp, body, ticks
     resp, body, ticks = asyncio.run(run())
     _assert_openai_error(resp, body, 400, "prompt")
-    assert "tokens; the context window is 2048" in body["error"]["message"]  # measured exactly, not guessed
+    message = body["error"]["message"]
+    assert "maximum context length is 2048 tokens" in message and "characters" not in message  # counted exactly
     assert ticks > 1  # the loop kept running while the prompt was tokenized
 
 
@@ -414,12 +390,15 @@ def test_unknown_paths_and_methods_answer_in_the_openai_shape():
 
 # --- the accepted surface ------------------------------------------------------------------------------
 
-def test_every_sampling_field_reaches_the_engine_and_no_ops_do_not():
+def test_every_sampling_field_reaches_the_engines_as_vllms_sampling_params():
+    """vLLM's `to_sampling_params` makes the parameters; the decode gets them whole, the prefill the
+    same request (it makes its one-token copy itself, `serve_app.sampling.prefill_params`)."""
     body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 40,
             "min_p": 0.05, "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1,
             "logit_bias": {"5": -100, "6": 2.5}, "min_tokens": 2, "stop": ["\n"], "stop_token_ids": [3],
-            "seed": 11, "ignore_eos": True, "logprobs": 2, "user": "u", "metadata": {"k": "v"}, "store": False,
-            "service_tier": "auto", "response_format": {"type": "json_object"}}
+            "seed": 11, "ignore_eos": True, "logprobs": 2, "user": "u", "allowed_token_ids": [5, 6, 7],
+            "bad_words": ["zz"], "include_stop_str_in_output": True, "prompt_logprobs": 1,
+            "response_format": {"type": "json_object"}}
 
     async def run():
         prefill, decode = _Pool("prefill", ["p1"]), _Pool("decode", ["d1"])
@@ -429,21 +408,19 @@ def test_every_sampling_field_reaches_the_engine_and_no_ops_do_not():
     prefill, decode, resp, out = asyncio.run(run())
     assert resp.status_code == 200, out
     (_, _, call), = decode.calls
-    sampling = call.sampling
-    assert sampling == {"max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "ignore_eos": True, "top_k": 40,
-                        "min_p": 0.05, "frequency_penalty": 0.5, "presence_penalty": -0.5,
-                        "repetition_penalty": 1.1, "logit_bias": {5: -100.0, 6: 2.5}, "min_tokens": 2,
-                        "stop": ["\n"], "stop_token_ids": [3], "seed": 11, "logprobs": 2,
-                        "structured_outputs": {"json_object": True}}
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    from serve_app.openai_api import parse_request
-    req = parse_request(json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x", "name": "n"}],
-                                    "response_format": {"type": "json_schema", "json_schema": {
-                                        "name": "a", "schema": schema, "strict": True}},
-                                    "max_completion_tokens": 5}).encode(), "chat")
-    assert req.sampling(100)["structured_outputs"] == {"json": schema} and req.sampling(100)["max_tokens"] == 5
-    plain = parse_request(b'{"model": "m", "prompt": "x", "response_format": {"type": "text"}}', "completion")
-    assert set(plain.sampling(100)) == {"max_tokens", "temperature", "top_p", "ignore_eos"}  # nothing extra asked
+    p = call.params
+    got = {k: getattr(p, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                                      "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop",
+                                      "stop_token_ids", "seed", "ignore_eos", "logprobs", "allowed_token_ids",
+                                      "bad_words", "include_stop_str_in_output", "prompt_logprobs", "n")}
+    assert got == {"max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
+                   "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1,
+                   "logit_bias": {5: -100.0, 6: 2.5}, "min_tokens": 2, "stop": ["\n"], "stop_token_ids": [3],
+                   "seed": 11, "ignore_eos": True, "logprobs": 2, "allowed_token_ids": [5, 6, 7], "bad_words": ["zz"],
+                   "include_stop_str_in_output": True, "prompt_logprobs": 1, "n": 1}
+    assert p.structured_outputs is not None and p.structured_outputs.json_object
+    (_, _, pcall), = prefill.calls
+    assert pcall.sampling.max_tokens == 8 and pcall.sampling.prompt_logprobs == 1  # the request, whole
 
 
 def _json_events(chunks) -> list[dict]:
@@ -452,7 +429,7 @@ def _json_events(chunks) -> list[dict]:
     return [json.loads(data) for chunk in chunks for data in sse.feed(chunk) if data != DONE]
 
 
-def test_logprobs_come_back_in_the_openai_shapes_streamed_or_not():
+def test_the_engines_logprobs_reach_the_answer_streamed_or_not():
     async def run():
         r = await _router(_Pool("prefill", ["p1"]), _Pool("decode", ["d1"]))
         comp, cbody = await _post(r, {"model": MODEL, "prompt": "x", "max_tokens": 3, "logprobs": 2})
@@ -460,23 +437,18 @@ def test_logprobs_come_back_in_the_openai_shapes_streamed_or_not():
                                        "max_tokens": 3, "logprobs": True, "top_logprobs": 3}, chat=True)
         none, nbody = await _post(r, {"model": MODEL, "prompt": "x", "max_tokens": 3})
         _, sc = await _post(r, {"model": MODEL, "prompt": "x", "max_tokens": 3, "logprobs": 1, "stream": True})
-        _, sch = await _post(r, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
-                                 "logprobs": True, "stream": True}, chat=True)
-        return cbody, chbody, nbody, sc, sch
-    cbody, chbody, nbody, sc, sch = asyncio.run(run())
+        return cbody, chbody, nbody, sc
+    cbody, chbody, nbody, sc = asyncio.run(run())
     lp = cbody["choices"][0]["logprobs"]
-    assert lp == {"tokens": ["b", "a", "b"], "token_logprobs": [-1.5, -0.25, -1.5],
-                  "top_logprobs": [{"a": -0.25, "b": -1.5}] * 3, "text_offset": [0, 1, 2]}
+    assert lp["tokens"] == ["b", "a", "b"] and lp["token_logprobs"] == [-1.5, -0.25, -1.5]
+    assert lp["text_offset"] == [0, 1, 2] and all(len(t) <= 3 for t in lp["top_logprobs"])
     content = chbody["choices"][0]["logprobs"]["content"]
     assert [c["token"] for c in content] == ["b", "a", "b"] and content[0]["bytes"] == [98]
-    assert content[0]["top_logprobs"][2] == {"token": "c", "logprob": -9999.0, "bytes": [99]}  # -inf, as vLLM
+    assert all(len(c["top_logprobs"]) == 3 for c in content)
+    assert min(t["logprob"] for c in content for t in c["top_logprobs"]) == -9999.0  # -inf, as vLLM answers it
     assert nbody["choices"][0]["logprobs"] is None
-    events = _json_events(sc)
-    streamed = [e["choices"][0]["logprobs"] for e in events if e["choices"]]
-    assert [s["tokens"][0] for s in streamed] == ["b", "a", "b"] and [s["text_offset"][0] for s in streamed] == [0, 1, 2]
-    assert all(s["top_logprobs"] == [{"a": -0.25}] for s in streamed)
-    events = _json_events(sch)
-    assert [e["choices"][0]["logprobs"]["content"][0]["top_logprobs"] for e in events if e["choices"]] == [[]] * 3
+    streamed = [e["choices"][0]["logprobs"] for e in _json_events(sc) if e["choices"] and e["choices"][0]["logprobs"]]
+    assert [t for s in streamed for t in s["tokens"]] == ["b", "a", "b"]
 
 
 def test_invalid_request_survives_pickling_whole():

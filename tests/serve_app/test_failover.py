@@ -28,7 +28,6 @@ pytest.importorskip("ray.serve")
 from starlette.requests import Request  # noqa: E402
 
 from disagg.bench.sse import SseDecoder  # noqa: E402
-from serve_app.dispatcher import continuation_sampling  # noqa: E402
 from serve_app.messages import DecodeChunk  # noqa: E402
 from factories import StandInPool, in_process_router, shipped_args, stream_text, stream_token_ids, tiny_tokenizer, vllm_text  # noqa: E402
 
@@ -46,10 +45,10 @@ class _Greedy:
     def __init__(self, call, replica: str, fail_after: int | None):
         self.prompt = list(call.prompt_token_ids)
         self.context = list(call.prompt_token_ids)
-        self.left = call.sampling["max_tokens"]
+        self.left = call.params.max_tokens
         self.replica, self.fail_after, self.sent, self.cancelled = replica, fail_after, 0, False
         self.text = ""  # what it streamed
-        stop = call.sampling.get("stop")
+        stop = call.params.stop
         self.stop = [stop] if isinstance(stop, str) else list(stop or ())
         self.hold = max(map(len, self.stop)) - 1 if self.stop else 0  # what vLLM holds back for them
 
@@ -105,7 +104,7 @@ def _request(stream: bool, **extra) -> Request:
 
     async def receive():
         return {"type": "http.request", "body": raw, "more_body": False}
-    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive)
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"content-type", b"application/json")]}, receive)
 
 
 async def _router(decode: _Decoders, migration_limit: int | None = None, log: Path | None = None):
@@ -165,7 +164,7 @@ def test_a_decode_failing_mid_stream_is_continued_elsewhere_with_the_same_answer
     assert first.sent == 4 and first.cancelled
     assert decode.calls[1][2].prompt_token_ids == first.context  # the prompt + the 4 tokens so far
     assert decode.calls[1][2].kv_transfer_params is None  # prefilled there
-    assert decode.calls[1][2].sampling["max_tokens"] == MAX_TOKENS - 4
+    assert decode.calls[1][2].params.max_tokens == MAX_TOKENS - 4
     assert counters.migrations == 1 and counters.served == 1 and counters.failed == 0
     record = json.loads(log.read_text().splitlines()[-1])
     assert record["migrated_from"] == [f"decode-{first.replica}"] and record["decode"] == f"decode-{second.replica}"
@@ -228,7 +227,7 @@ def test_a_migration_splitting_a_character_or_a_stop_string_loses_and_repeats_no
         if len(decode.streams) == 1:
             continue  # the engine found the stop string before it was to fail
         first, second = decode.streams
-        assert counters.migrations == 1 and "stop" not in decode.calls[1][2].sampling
+        assert counters.migrations == 1 and not decode.calls[1][2].params.stop
         assert second.cancelled == bool(stop)  # the router found the stop string; the engine would go on
         migrated += 1
     assert migrated >= n // 2 - 4
@@ -262,14 +261,6 @@ def test_structured_output_is_not_migrated():
                                       extra={"response_format": fmt})
     assert status == 502 and "structured-output request is not migrated" in error
     assert counters.migrations == 0
-
-
-def test_continuation_sampling():
-    s = {"max_tokens": 10, "min_tokens": 3, "temperature": 0.0}
-    assert continuation_sampling(s, 2) == {"max_tokens": 8, "min_tokens": 1, "temperature": 0.0}
-    assert continuation_sampling(s, 5) == {"max_tokens": 5, "temperature": 0.0}
-    assert s == {"max_tokens": 10, "min_tokens": 3, "temperature": 0.0}  # not changed in place
-    assert continuation_sampling({"max_tokens": 10, "stop": ["\n"]}, 2) == {"max_tokens": 8}  # the router applies them
 
 
 class _Stalled(_Greedy):

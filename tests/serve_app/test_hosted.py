@@ -71,7 +71,7 @@ def test_a_request_hosted_on_the_prefill_instance_streams_from_there_alone(tmp_p
 
     async def scenario():
         r = await in_process_router(prefill, decode, args)
-        request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive)
+        request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"content-type", b"application/json")]}, receive)
         resp = await r._handle(request, chat=False)
         return r, resp
 

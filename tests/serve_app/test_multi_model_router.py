@@ -60,7 +60,7 @@ class _Pool(StandInPool):
         self.hold = hold
 
     def decode_stream(self, call, replica):
-        return _Stream(replica, call.sampling["max_tokens"], 0.001, self.hold)
+        return _Stream(replica, call.params.max_tokens, 0.001, self.hold)
 
 
 def _args(disaggregated_tiny: bool = False) -> dict:
@@ -80,7 +80,7 @@ def _request(body: dict, headers: dict | None = None) -> Request:
     async def receive():
         return {"type": "http.request", "body": raw, "more_body": False}
     return Request({"type": "http", "method": "POST", "path": "/v1/completions",
-                    "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}, receive)
+                    "headers": [(k.lower().encode(), v.encode()) for k, v in {"content-type": "application/json", **(headers or {})}.items()]}, receive)
 
 
 async def _router(args: dict, pools: dict) -> Router:

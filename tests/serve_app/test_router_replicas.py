@@ -88,7 +88,7 @@ def _request(i: int) -> Request:
 
     async def receive():
         return {"type": "http.request", "body": raw, "more_body": False}
-    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive)
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"content-type", b"application/json")]}, receive)
 
 
 @pytest.mark.parametrize("engines_report_ledgers, expect_spread", [(True, True), (False, False)])

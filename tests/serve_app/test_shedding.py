@@ -59,7 +59,7 @@ def _request(slo: str) -> Request:
     async def receive():
         return {"type": "http.request", "body": raw, "more_body": False}
     return Request({"type": "http", "method": "POST", "path": "/v1/completions",
-                    "headers": [(b"x-slo-class", slo.encode())]}, receive)
+                    "headers": [(b"x-slo-class", slo.encode()), (b"content-type", b"application/json")]}, receive)
 
 
 async def _router(prefill: _Pool, decode: _Pool) -> Router:
@@ -72,9 +72,10 @@ def test_overload_is_refused_fast_loose_first_and_served_again_after_the_drain()
         prefill, decode = _Pool("prefill", ["p0"]), _Pool("decode", ["d0", "d1"])
         r = await _router(prefill, decode)
         tokenized = []
-        for m in r.served.values():  # count tokenizations: a shed request must not reach the tokenizer
-            encode = m.tokenizer.encode
-            m.tokenizer.encode = lambda *a, _e=encode, **k: tokenized.append(1) or _e(*a, **k)
+        for m in r.served.values():  # count renderings: a shed request must not reach vLLM's renderer
+            online = m.surface.completion.online_renderer
+            render = online.render_completion
+            online.render_completion = lambda *a, _r=render, **k: tokenized.append(1) or _r(*a, **k)
 
         out = []
         for queued in (0, 2 * MAX_NUM_SEQS, 4 * MAX_NUM_SEQS, 0):  # idle, loaded, overloaded, drained
