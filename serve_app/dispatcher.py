@@ -102,7 +102,7 @@ def _bad_request(refused: InvalidRequest, f: Flight) -> ApiError:
     param = refused.param
     if param in _FIELDS_OF:
         param = next((name for name in _FIELDS_OF[param] if name in f.fields), param)
-    return ApiError(f"{param}: {refused.message}" if param else refused.message, param=param)
+    return ApiError(f"{param}: {refused.message}" if param else refused.message, param=param, kind="BadRequestError")
 
 
 def _detached(step) -> asyncio.Task:
@@ -407,7 +407,9 @@ class Dispatcher:
     async def _open(self, f: Flight, inst: Instance, call: GenerateCall) -> tuple[Any, OutputDelta]:
         """Start `call` on `inst`; its response stream and first delta. An engine's refusal is a 400;
         any other failure propagates (the stream cancelled)."""
-        stream = f.model.streams[inst.role].generate.remote(call, replica=inst.replica)
+        # a context of its own: Serve keys a call's routing by its request context's id, and calls
+        # routed at once under one id (the samples of n > 1, the prompts of a list) lose each other
+        stream = contextvars.Context().run(f.model.streams[inst.role].generate.remote, call, replica=inst.replica)
         try:
             first: OutputDelta = await stream.__anext__()
         except StopAsyncIteration:

@@ -4,7 +4,10 @@ OpenAI error shape of what the router refuses itself.
 vLLM's protocol classes (`ChatCompletionRequest`, `CompletionRequest`) define the surface: every
 field `vllm serve` takes is taken here, with its validation and defaults. A malformed request
 becomes an `ApiError`, HTTP 400, whose body names the field, before anything reaches an engine:
-``{"error": {"message": ..., "type": "invalid_request_error", "param": "max_tokens", "code": null}}``.
+``{"error": {"message": ..., "type": "Bad Request", "param": "max_tokens", "code": 400}}``, with the
+types vLLM's server gives: "Bad Request" for a body that does not validate, "BadRequestError" for
+what vLLM's own checks refuse. The router's own refusals (413, 429, 503, the admin API) keep
+OpenAI's type names.
 The router adds two refusals of its own: a body that is not `application/json` (as vLLM refuses
 it), and `kv_transfer_params`, which on the disaggregated path the router sets itself.
 """
@@ -23,6 +26,10 @@ ROUTER_SET_FIELDS = ("kv_transfer_params",)  # the P/D path's own: a client's wo
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how JSON spells half of a surrogate pair
 
 
+REQUEST_INVALID = "Bad Request"  # vLLM's type for a body that does not validate (FastAPI's 400)
+VLLM_REFUSED = "BadRequestError"  # ... and for what its own checks refuse
+
+
 class ApiError(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
@@ -31,7 +38,8 @@ class ApiError(Exception):
         self.headers = headers or {}  # e.g. Retry-After on a 429
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        # the status as the code, as vLLM's own error responses have it
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
 def _reject_constant(name: str) -> Any:
@@ -42,8 +50,8 @@ def check_media_type(content_type: str | None) -> None:
     """vLLM serves `application/json` bodies only; anything else is a 400 naming the header."""
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if media != "application/json":
-        raise ApiError(f"unsupported media type {media or 'none'!r}: only 'application/json' is allowed",
-                       param="Content-Type")
+        raise ApiError(f"Unsupported Media Type: Only 'application/json' is allowed, got {media or 'none'!r}",
+                       param="Content-Type", kind=REQUEST_INVALID)
 
 
 def parse_openai(raw: bytes, kind: Literal["chat", "completion"]) -> Any:
@@ -55,25 +63,27 @@ def parse_openai(raw: bytes, kind: Literal["chat", "completion"]) -> Any:
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise ApiError(f"request body is not valid JSON: {e}", param=None) from None
+        raise ApiError(f"JSON decode error: {e}", param=None, kind=REQUEST_INVALID) from None
     except RecursionError:
-        raise ApiError("request body is not valid JSON: nested too deeply", param=None) from None
+        raise ApiError("request body is not valid JSON: nested too deeply", param=None, kind=REQUEST_INVALID) from None
     if not isinstance(data, dict):
-        raise ApiError("request body must be a JSON object", param=None)
+        raise ApiError("request body must be a JSON object", param="body", kind=REQUEST_INVALID)  # vLLM's name
     if _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate(data)) is not None:
-        raise ApiError(f"{where}: not valid Unicode (a lone surrogate), which no tokenizer takes", param=where)
+        raise ApiError(f"{where}: not valid Unicode (a lone surrogate), which no tokenizer takes", param=where,
+                       kind=REQUEST_INVALID)
     for name in ROUTER_SET_FIELDS:
         if data.get(name) is not None:
-            raise ApiError(f"{name}: set by the router on the disaggregated path, not by clients", param=name)
+            raise ApiError(f"{name}: set by the router on the disaggregated path, not by clients", param=name,
+                           kind=REQUEST_INVALID)
     model = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise field_error(e) from None
     except VLLMValidationError as e:  # vLLM's own checks across fields, raised as they are
-        raise ApiError(str(e.args[0]) if e.args else str(e), param=e.parameter) from None
+        raise ApiError(str(e.args[0]) if e.args else str(e), param=e.parameter, kind=VLLM_REFUSED) from None
     except RecursionError:  # a pathological value pydantic could not walk
-        raise ApiError("request body is nested too deeply", param=None) from None
+        raise ApiError("request body is nested too deeply", param=None, kind=REQUEST_INVALID) from None
 
 
 def _lone_surrogate(data: Any) -> str | None:
@@ -109,8 +119,10 @@ def field_error(e: ValidationError) -> ApiError:
         if parts and parts[0] in VALUE_COLLECTIONS:
             parts = parts[:1]
         param = ".".join(parts) or None
-    msg = first["msg"].removeprefix("Value error, ")
-    return ApiError(f"{param}: {msg}" if param else msg, param=param)
+    # every distinct message, as vLLM's server lists them: a union's first branch may not be the one meant
+    msg = "; ".join(dict.fromkeys(f"{err['msg'].removeprefix('Value error, ')} ({err['type']})"
+                                  for err in e.errors()[:10]))
+    return ApiError(f"{param}: {msg}" if param else msg, param=param, kind=REQUEST_INVALID)
 
 
 PROMPT_PARAMS = ("input_text", "input_tokens")  # what vLLM's context-window check calls the prompt

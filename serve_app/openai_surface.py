@@ -94,7 +94,11 @@ class RoutedEngineClient:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.renderer = renderer
-        self.input_processor = None  # the engines process inputs; the router never does
+        # vLLM's own, for what its serving layer asks of it (beam search's watermarking check); the
+        # engines process each request's inputs themselves
+        from vllm.v1.engine.input_processor import InputProcessor
+
+        self.input_processor = InputProcessor(vllm_config, renderer)
         self._start, self._outputs, self._new_flight = start, outputs, new_flight
 
     errored = False

@@ -316,8 +316,8 @@ class Router:
             return refused
         card = next((c for c in await self._model_cards() if c["id"] == model_id), None)
         if card is None:
-            return _error(ApiError(f"the model {model_id!r} does not exist", param="model", status=404,
-                                   kind="not_found_error"))
+            return _error(ApiError(f"The model `{model_id}` does not exist.", param="model", status=404,
+                                   kind="NotFoundError"))
         return JSONResponse(card)
 
     async def _model_cards(self) -> list[dict]:
@@ -605,5 +605,5 @@ class Router:
         if name == self.alias:
             return list(self.served.values())
         served = sorted(self.served) + ([self.alias] if self.alias else [])
-        raise ApiError(f"the model {name!r} does not exist; served: {', '.join(repr(s) for s in served)}",
-                       param="model", status=404, kind="not_found_error")  # vLLM's answer
+        raise ApiError(f"The model `{name}` does not exist. Served: {', '.join(repr(s) for s in served)}",
+                       param="model", status=404, kind="NotFoundError")  # vLLM's answer

@@ -91,13 +91,15 @@ class ServedModel:
         `sizes`: each prompt's (size, in tokens) (`openai_api.prompt_sizes`). Cheap: no rendering, so
         an oversize prompt is refused in microseconds."""
         limit = self.cfg.model.max_model_len
-        for size, in_tokens in sizes:
+        head = f"This model's maximum context length is {limit} tokens. However, your prompt contains"
+        for size, in_tokens in sizes:  # vLLM's words for the same refusal
             if in_tokens and size >= limit:
-                return ApiError(f"the prompt has {size} tokens; the context window is {limit}", param=param)
+                return ApiError(f"{head} {size} input tokens, which exceeds this limit even without any output "
+                                "tokens.", param=param, kind="BadRequestError")
             bound = limit * self.max_token_chars * PROMPT_CHARS_MARGIN
             if not in_tokens and self.max_token_chars and size > bound:
-                return ApiError(f"the prompt has {size} characters: more than the context window of {limit} "
-                                f"tokens can hold (at most {self.max_token_chars} characters per token)", param=param)
+                return ApiError(f"{head} {size} characters, more than {limit} tokens can hold (at most "
+                                f"{self.max_token_chars} characters per token).", param=param, kind="BadRequestError")
         return None
 
 

@@ -197,7 +197,8 @@ def as_output_deltas(chunks):
 
         async def __anext__(self):
             c = await self.chunks.__anext__()
-            out = CompletionOutput(0, c.text, list(c.token_ids), None, logprobs(c), c.finish_reason)
+            out = CompletionOutput(index=0, text=c.text, token_ids=list(c.token_ids), cumulative_logprob=None,
+                                   logprobs=logprobs(c), finish_reason=c.finish_reason)
             return OutputDelta(out, c.finish_reason is not None, replica=c.replica,
                                engine_first_token_s=c.engine_first_token_s)
 

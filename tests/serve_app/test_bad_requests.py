@@ -225,7 +225,8 @@ def _mutation(rng: random.Random, chat: bool):
 
 
 def _malformed(rng: random.Random) -> bytes:
-    """A body that is not a JSON object, or JSON Python accepts and OpenAI does not (param None)."""
+    """A body that is not a JSON object (param "body", as vLLM names it), or not JSON at all, or JSON
+    Python accepts and OpenAI does not (param None)."""
     depth = rng.randint(1_000, 100_000)
     return _pick(rng, [b"", b"{", b'{"model": ', b"[1, 2]", b"null", b"7", b'"s"', b"\xff\xfe\x00",
                        b'{"model": "tiny-qwen2", "prompt": "x", "temperature": NaN}',
@@ -235,6 +236,13 @@ def _malformed(rng: random.Random) -> bytes:
                        b'{"model": "tiny-qwen2", "prompt": ' + b"[" * depth + b"]" * depth + b"}"])
 
 
+def _json_but_not_object(raw: bytes) -> bool:
+    try:
+        return not isinstance(json.loads(raw), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
 def generated_bad_requests(seed: int = 7, n: int = N_GENERATED) -> list[tuple[bool, bytes, str | None]]:
     """(chat, raw body, the param the 400 names) for `n` generated bad requests."""
     rng = random.Random(seed)
@@ -242,7 +250,8 @@ def generated_bad_requests(seed: int = 7, n: int = N_GENERATED) -> list[tuple[bo
     while len(cases) < n:
         chat = rng.random() < 0.5
         if rng.random() < 0.08:
-            cases.append((chat, _malformed(rng), None))
+            raw = _malformed(rng)
+            cases.append((chat, raw, "body" if _json_but_not_object(raw) else None))
             continue
         body = _base(rng, chat)
         update, drop, param = _mutation(rng, chat)

@@ -36,12 +36,13 @@ def test_bad_fields_are_named(body, kind, param):
     assert e.value.body()["error"]["param"] == param
 
 
-@pytest.mark.parametrize("raw", [b"{", b"[1, 2]", b"\xff\xfe", b"null", b'{"model": "m", "prompt": "x", "top_p": NaN}',
-                                 b"[" * 100_000 + b"]" * 100_000])
-def test_malformed_bodies_are_400s_naming_no_field(raw):
+@pytest.mark.parametrize("raw, param", [(b"{", None), (b"\xff\xfe", None), (b'{"model": "m", "top_p": NaN}', None),
+                                        (b"[" * 100_000 + b"]" * 100_000, None), (b"[1, 2]", "body"), (b"null", "body")])
+def test_malformed_bodies_are_400s(raw, param):
+    """Not JSON: no field to name; JSON but not an object: the body, as vLLM names it."""
     with pytest.raises(ApiError) as e:
         parse_openai(raw, "completion")
-    assert e.value.status == 400 and e.value.param is None
+    assert e.value.status == 400 and e.value.param == param
 
 
 def test_vllms_surface_is_taken_whole():
