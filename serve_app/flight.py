@@ -28,6 +28,8 @@ class Flight:
     params: Any  # the request's vLLM SamplingParams
     model: ServedModel | None = None
     requested_model: str = ""  # the `model` the client named (a served model, or the alias)
+    response_id: str = ""  # the answer's `id` (`rid` is per prompt: vLLM suffixes the prompt's index)
+    prompt_index: int = 0  # which prompt of the request (a list of prompts: one flight each)
     fields: frozenset[str] = frozenset()  # the request fields the client set (an engine's refusal names one)
     prompt_text: str | None = None  # the rendered prompt, when there is one (vLLM's `echo` reads it)
     final_only: bool = False  # the client wants the whole answer at once: the outputs are joined before

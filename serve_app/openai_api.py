@@ -143,7 +143,7 @@ def name_the_field(error: Any, req: Any, prompt_field: str) -> None:
         error.error.param = head
         return
     words = set(re.findall(r"[a-z_]+", message))  # else the one field it mentions of those the request set
-    named = [f for f in req.model_fields_set if f in words]
+    named = [f for f in req.model_fields_set if f in words or f.endswith("s") and f[:-1] in words]
     if len(named) == 1:
         error.error.param = named[0]
 

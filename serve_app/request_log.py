@@ -58,7 +58,7 @@ def request_record(f: Flight, error: str | None, now: float, multi_model: bool, 
     finished; `multi_model`: also name the requested and the serving model; `router`: the router
     replica that routed it."""
     record = {
-        "id": f.rid, "time": time.time(), "router": router, "slo_class": f.slo.value, "prompt_tokens": len(f.prompt_ids),
+        "id": f.response_id or f.rid, "prompt_index": f.prompt_index, "time": time.time(), "router": router, "slo_class": f.slo.value, "prompt_tokens": len(f.prompt_ids),
         "max_tokens": f.params.max_tokens, "n": f.n, "predicted_output_tokens": f.predicted,
         "output_tokens": f.generated_total, "finish_reason": f.finish_reason, "error": error,
         "prefill": f.actual_prefill, "decode": f.actual_decode, "fallback": f.fallback,

@@ -527,10 +527,16 @@ class Router:
         parts = extract_prompt_components(model.surface.vllm_config.model_config, prompt)
         if parts.token_ids is None:
             raise ApiError("prompt embeddings are not served on the disaggregated path", param="prompt_embeds")
+        if parts.text is None and parts.token_ids and max(parts.token_ids) >= model.vocab_size:  # a token-id prompt
+            raise ApiError(f"token id {max(parts.token_ids)} is outside the vocabulary (size {model.vocab_size})",
+                           param="prompt", kind="BadRequestError")
         f = Flight(rid, ctx.chat, ctx.slo, list(parts.token_ids), params, model, requested_model=ctx.requested_model,
                    fields=ctx.fields, prompt_text=parts.text,
                    final_only=params.output_kind == RequestOutputKind.FINAL_ONLY)
         f.lam, f.ttft_limit_s = ctx.lam, ctx.ttft_limit_s
+        # vLLM names prompt i's engine request `<id>-i` (completions) or `<id>_i` (chat, several prompts)
+        f.prompt_index = len(ctx.flights)
+        f.response_id = rid.removesuffix(f"-{f.prompt_index}").removesuffix(f"_{f.prompt_index}")
         if ctx.alias is not None:
             f.choice, f.predicted, f.alias_us = ctx.alias.choice, ctx.alias.predicted, ctx.alias.decision_us
         return f

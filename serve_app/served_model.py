@@ -52,12 +52,14 @@ class ServedModel:
     max_token_chars: int = 0  # the longest vocabulary entry, in characters (0: unknown, no pre-check)
     prefix_index: PrefixIndex | None = None  # which prefixes each instance holds; from the first engine report on
     surface: Any = None  # vLLM's OpenAI layer for this model (`openai_surface.ServingSurface`)
+    vocab_size: int = 0  # token ids at or above it are no token of this model
 
     def __post_init__(self) -> None:
         # a prefill engine streams too when the policy serves a request whole there (`Policy.may_host`)
         self.streams = {role: h.options(stream=True) for role, h in self.handles.items()}
         if not self.max_token_chars:
             self.max_token_chars = max_token_chars(self.tokenizer)
+        self.vocab_size = self.vocab_size or len(self.tokenizer)
 
     @classmethod
     def build(cls, name: str, cfg: AppConfig, handles: dict[str, DeploymentHandle], prices: ModelPrices | None,

