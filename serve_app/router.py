@@ -528,7 +528,7 @@ class Router:
         if parts.token_ids is None:
             raise ApiError("prompt embeddings are not served on the disaggregated path", param="prompt_embeds")
         if parts.text is None and parts.token_ids and max(parts.token_ids) >= model.vocab_size:  # a token-id prompt
-            raise ApiError(f"token id {max(parts.token_ids)} is outside the vocabulary (size {model.vocab_size})",
+            raise ApiError(f"Token id {max(parts.token_ids)} is out of vocabulary (size {model.vocab_size})",
                            param="prompt", kind="BadRequestError")
         f = Flight(rid, ctx.chat, ctx.slo, list(parts.token_ids), params, model, requested_model=ctx.requested_model,
                    fields=ctx.fields, prompt_text=parts.text,

@@ -1640,9 +1640,9 @@ def err_not_json_content_type(live: Live) -> None:
 
 
 @case(f"{T_CHAT_ERROR}::test_system_message_accepts_text",
-      note="no messages: vLLM's chat template step refuses an empty conversation (param null)")
+      note="no messages: vLLM's chat template step refuses an empty conversation. " + NAMES_THE_FIELD)
 def err_empty_messages(live: Live) -> None:
-    error(live, CHAT, chat_body(live, messages=[]), param=None,
+    error(live, CHAT, chat_body(live, messages=[]), param="messages",
           contains=("Cannot apply chat template to an empty conversation",))
 
 
@@ -1708,9 +1708,10 @@ def err_allowed_token_ids(live: Live) -> None:
           contains=("allowed_token_ids is not None and empty",))
 
 
-@case(f"{T_PROMPT_VALIDATION}::test_out_of_vocab_token_ids", note="the engine's check: param null")
+@case(f"{T_PROMPT_VALIDATION}::test_out_of_vocab_token_ids",
+      note="vLLM's engine checks it; the router, which has the vocabulary, before routing. " + NAMES_THE_FIELD)
 def err_prompt_out_of_vocab(live: Live) -> None:
-    error(live, COMPLETIONS, cmpl_body(live, prompt=[999999]), param=None,
+    error(live, COMPLETIONS, cmpl_body(live, prompt=[999999]), param="prompt",
           contains=("Token id 999999 is out of vocabulary",))
 
 

@@ -124,9 +124,10 @@ def test_bad_routing_headers_get_400_naming_the_header(client, headers, param):
     assert err["param"] == param and param in err["message"]
 
 
-def test_an_unknown_model_gets_400_naming_model_and_listing_the_served_ones(client):
+def test_an_unknown_model_gets_404_naming_model_and_listing_the_served_ones(client):
+    """vLLM's status for a model it does not serve, with the served names and the alias."""
     r = client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x", "max_tokens": 2})
-    assert r.status_code == 400
+    assert r.status_code == 404
     err = r.json()["error"]
     assert err["param"] == "model" and all(n in err["message"] for n in (TINY, SMALL, ALIAS))
 

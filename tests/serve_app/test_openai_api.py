@@ -69,3 +69,17 @@ def test_only_json_bodies_are_served(content_type, ok):
     with pytest.raises(ApiError) as e:
         check_media_type(content_type)
     assert e.value.status == 400 and e.value.param == "Content-Type"
+
+
+def test_the_openai_options_are_checked_with_the_config():
+    """`model.openai` takes `vllm serve`'s flags; auto tool choice without a parser is refused there,
+    naming the field, as `vllm serve` refuses it."""
+    from factories import shipped_args
+    from serve_app.config import ConfigError, parse_args
+
+    args = shipped_args()
+    assert parse_args(args, prefix=("args",)).model.openai.tool_call_parser == "hermes"
+    args["model"]["openai"] = {"enable_auto_tool_choice": True}
+    with pytest.raises(ConfigError) as e:
+        parse_args(args, prefix=("args",))
+    assert "args.model.openai" in str(e.value) and "tool_call_parser" in str(e.value)
