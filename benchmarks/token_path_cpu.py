@@ -80,13 +80,13 @@ def window(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     return {p: after[p] - before[p] for p in PARTS}
 
 
-async def stream_load(base_url: str, requests: int, concurrency: int, tokens: int) -> tuple[int, int]:
-    """(tokens streamed, requests that failed)."""
+async def stream_load(base_url: str, requests: int, concurrency: int, tokens: int) -> tuple[int, int, int]:
+    """(tokens streamed, requests that failed, server-sent events received: the router's stream items)."""
     sem = asyncio.Semaphore(concurrency)
-    streamed, failed = 0, 0
+    streamed, failed, events = 0, 0, 0
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
-        nonlocal streamed, failed
+        nonlocal streamed, failed, events
         body = {"model": "tiny-qwen2", "prompt": f"{i} measure the token path " * 4, "max_tokens": tokens,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         async with sem:
@@ -97,6 +97,7 @@ async def stream_load(base_url: str, requests: int, concurrency: int, tokens: in
                         return
                     usage = None
                     async for line in r.aiter_lines():
+                        events += line.startswith("data: {") and '"choices":[]' not in line  # tokens, not usage
                         if '"usage"' in line and '"completion_tokens"' in line:
                             usage = line
                     streamed += tokens if usage else 0
@@ -106,7 +107,7 @@ async def stream_load(base_url: str, requests: int, concurrency: int, tokens: in
     async with httpx.AsyncClient(base_url=base_url, timeout=300, trust_env=False,
                                  limits=httpx.Limits(max_connections=concurrency)) as client:
         await asyncio.gather(*(one(client, i) for i in range(requests)))
-    return streamed, failed
+    return streamed, failed, events
 
 
 def one_round(stack: LocalStack, args) -> dict:
@@ -122,9 +123,9 @@ def one_round(stack: LocalStack, args) -> dict:
         used = window(c0, cpu_by_part())
         return {p: used[p] - idle_rate[p] * dt for p in PARTS}, dt, result
 
-    stream_cpu, stream_s, (tokens, stream_failed) = loaded(
+    stream_cpu, stream_s, (tokens, stream_failed, events) = loaded(
         lambda: stream_load(stack.base_url, args.stream_requests, args.streams, args.tokens))
-    short_cpu, short_s, (_, short_failed) = loaded(
+    short_cpu, short_s, (_, short_failed, _) = loaded(
         lambda: stream_load(stack.base_url, args.short_requests, 8, 8))
     served = args.short_requests - short_failed
     return {
@@ -132,6 +133,7 @@ def one_round(stack: LocalStack, args) -> dict:
         "per_token_us": {p: stream_cpu[p] / max(1, tokens) * 1e6 for p in PARTS},
         "per_request_ms": {p: short_cpu[p] / max(1, served) * 1e3 for p in PARTS},
         "tokens_streamed": tokens, "stream_s": stream_s, "stream_failed": stream_failed,
+        "tokens_per_event": tokens / max(1, events),  # how many tokens each item the router relays carries
         "short_served": served, "short_s": short_s,
     }
 

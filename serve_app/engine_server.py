@@ -272,46 +272,39 @@ class EngineServer:
                             prompt_logprobs=r.prompt_logprobs)
 
     async def generate(self, call: GenerateCall, replica: str | None = None) -> AsyncIterator[OutputDelta]:
-        first = True
-        t0 = time.perf_counter()
+        def delta(outs: list, first: bool, elapsed_s: float) -> OutputDelta:
+            out = merged(outs)
+            return OutputDelta(output=out.outputs[0], finished=out.finished,
+                               replica=self.replica_id if first else None,
+                               engine_first_token_s=elapsed_s if first else None,
+                               num_cached_tokens=out.num_cached_tokens if first else None,
+                               prompt_logprobs=out.prompt_logprobs if first else None)
         stream = self.engine.generate(call.request_id, call.prompt_token_ids, call.params, call.kv_transfer_params)
-        self.admitted.add(call.router, call.work_s)
-        self.streams += 1
-        try:
-            async for outs in coalesce(stream, self._stream_interval_s):
-                out = merged(outs)
-                yield OutputDelta(
-                    output=out.outputs[0], finished=out.finished,
-                    replica=self.replica_id if first else None,
-                    engine_first_token_s=time.perf_counter() - t0 if first else None,
-                    num_cached_tokens=out.num_cached_tokens if first else None,
-                    prompt_logprobs=out.prompt_logprobs if first else None)
-                first = False
-        except InvalidRequest:
-            raise  # the request's fault, not this engine's: it crosses Ray as itself (the router's 400)
-        except Exception as e:
-            raise _with_cause(e) from e
-        finally:
-            self.streams -= 1
-            self.admitted.remove(call.router, call.work_s)
+        async for d in self._relayed(call, stream, delta):  # a generator method: Serve streams what it yields
+            yield d
 
     async def decode(self, call: DecodeCall, replica: str | None = None) -> AsyncIterator[DecodeChunk]:
-        first = True
-        t0 = time.perf_counter()
+        def chunk(chunks: list, first: bool, elapsed_s: float) -> DecodeChunk:
+            return DecodeChunk(token_ids=tuple(t for c in chunks for t in c.token_ids),
+                               text="".join(c.text for c in chunks), finish_reason=chunks[-1].finish_reason,
+                               replica=self.replica_id if first else None,
+                               engine_first_token_s=elapsed_s if first else None,
+                               logprobs=_joined_logprobs(chunks))
         stream = self.engine.decode(call.request_id, call.prompt_token_ids, call.sampling, call.kv_transfer_params)
+        async for c in self._relayed(call, stream, chunk):
+            yield c
+
+    async def _relayed(self, call: GenerateCall | DecodeCall, stream: AsyncIterator,
+                       item: Callable[[list, bool, float], Any]) -> AsyncIterator:
+        """`stream` batched per interval (`coalesce`), each batch as `item(batch, first, seconds since
+        the call)`: the first names who served it and the engine-side time to the first token. The
+        call is held in this engine's ledger until the stream ends."""
+        t0, first = time.perf_counter(), True
         self.admitted.add(call.router, call.work_s)
         self.streams += 1
         try:
-            async for chunks in coalesce(stream, self._stream_interval_s):
-                yield DecodeChunk(
-                    token_ids=tuple(t for c in chunks for t in c.token_ids),
-                    text="".join(c.text for c in chunks),
-                    finish_reason=chunks[-1].finish_reason,
-                    # the first chunk names who served it, and the engine-side time to the first token
-                    replica=self.replica_id if first else None,
-                    engine_first_token_s=time.perf_counter() - t0 if first else None,
-                    logprobs=_joined_logprobs(chunks),
-                )
+            async for batch in coalesce(stream, self._stream_interval_s):
+                yield item(batch, first, time.perf_counter() - t0)
                 first = False
         except InvalidRequest:
             raise  # the request's fault, not this engine's: it crosses Ray as itself (the router's 400)
