@@ -135,6 +135,7 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
 
+    os.environ.update(_env())  # before Ray is imported: it reads some of these once
     log("starting Ray on 127.0.0.1 ...")
     subprocess.run([_bin("ray"), "start", "--head", "--num-cpus=2", "--node-ip-address=127.0.0.1",
                     "--include-dashboard=false", "--disable-usage-stats"], env=_env(), check=True,
@@ -143,7 +144,6 @@ def main() -> int:
         import ray
         from ray import serve
 
-        os.environ.update(_env())
         ray.init(address=RAY_ADDRESS, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
         serve.run(build_app(args.items, args.interval_s), name="floor", route_prefix="/")
