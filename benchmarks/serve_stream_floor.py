@@ -160,7 +160,13 @@ def main() -> int:
         for r in range(args.rounds):
             rounds.append(one_round(args))
             log(f"round {r + 1}: {rounds[-1]}")
-    finally:
+    finally:  # Serve stops its HAProxy itself; `ray stop` alone would leave it holding the port
+        try:
+            from ray import serve
+
+            serve.shutdown()
+        except Exception as e:
+            log(f"serve shutdown failed: {e}")
         subprocess.run([_bin("ray"), "stop", "--force"], env=_env(), capture_output=True, timeout=180)
     per_item = [r["relay_us_per_item"] for r in rounds]
     summary = {"relay_us_per_item_median": statistics.median(per_item), "relay_us_per_item_range": [min(per_item),

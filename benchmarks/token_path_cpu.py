@@ -17,7 +17,9 @@ After a warm-up (2 × `--streams` streams) and `--settle-s` of idle, each round 
 2. streaming: `--streams` concurrent streams of `--tokens` tokens each, `--stream-requests` in all;
 3. short requests: `--short-requests` 8-token completions, 8 at a time.
 Under load, a part's CPU minus its idle rate × the window, divided by the tokens streamed (or by the
-requests served), is its cost per token (per request). Ratios within one run are what to compare: the
+requests served), is its cost per token (per request); `tokens_per_event` is how many tokens each
+server-sent event the router relays carries (compare with benchmarks/serve_stream_floor.py, Serve's
+own cost per relayed item). Ratios within one run are what to compare: the
 machine is shared and noisy. Medians and ranges are over `--rounds`.
 """
 

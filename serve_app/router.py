@@ -1,15 +1,16 @@
-"""The router deployment's ingress: OpenAI-compatible HTTP routes, validation, responses.
+"""The router deployment's ingress: vLLM's OpenAI API, routed over disaggregated engines.
 
 The router is the application's ingress (one hop fewer on the token path than a separate
 ingress), so a request's life is: HTTP proxy → this replica → (prefill replica, then decode
 replica) → tokens stream back through this replica to the proxy.
 
 `Router` is thin: it wires the router's parts from the config and hands each request on:
-- here: validate (400 naming the field), tokenize with the served model's tokenizer — the exact
-  prompt length is a routing signal —, check it fits the context window, build the response;
-- `served_model.ServedModel`: each served model's pools, tokenizer, policy, cost model, predictor;
+- here: the router's own checks, then the model's vLLM serving class, which reads, renders and
+  answers the request (`openai_surface`); its engine client hands the rendered prompt to the
+  dispatcher, and the route answers once every prompt's first output is in;
+- `served_model.ServedModel`: each served model's pools, vLLM layer, policy, cost model, predictor;
 - `registry.InstanceRegistry`: which engine instances exist and their latest polled state;
-- `dispatcher.Dispatcher`: the routing decision, prefill, decode and token relay, with retries;
+- `dispatcher.Dispatcher`: the routing decision, prefill, decode, samples and relay, with retries;
 - `admin.Admin`: the `/admin/*` control plane;
 - `access.Access`: who may call what — API keys on `/v1/*`, the admin gate on `/admin/*` — checked
   first in each route, before the body is read (`/health` stays open for load balancers);
@@ -18,8 +19,9 @@ The route decorators stay on this class: `serve.ingress` captures them when it w
 
 Before reading the body: a router whose own event loop runs `router.shed_loop_lag_s` behind
 answers 429 (`loop_lag`; the cheapest answer a saturated router can give). Before parsing: a body
-larger than `router.max_body_bytes` is refused with 413 as it arrives (it is never buffered whole). Before tokenizing: a prompt too large to fit from its size alone gets its 400
-at once (`ServedModel.too_long`); large prompts that may fit are tokenized off the event loop.
+larger than `router.max_body_bytes` is refused with 413 as it arrives (it is never buffered
+whole). Before rendering: a prompt too large to fit from its size alone gets its 400 at once
+(`ServedModel.too_long`), and an overloaded fleet its 429 (`shed`).
 Errors outside the routes (404 unknown path, 405 wrong method) keep the OpenAI error shape too.
 
 Several models (a `MultiModelConfig`): a request naming a model is routed within that model's
