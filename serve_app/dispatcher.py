@@ -140,16 +140,6 @@ def _retext(text: RouterText, out: Any) -> bool:
     return True
 
 
-def _append(whole: Any, delta: Any) -> None:
-    """Extend a sample's output with its next delta (vLLM's own aggregation)."""
-    whole.text += delta.text
-    whole.token_ids = list(whole.token_ids) + list(delta.token_ids)
-    if delta.logprobs:
-        whole.logprobs = list(whole.logprobs or []) + list(delta.logprobs)
-    whole.cumulative_logprob = delta.cumulative_logprob
-    whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
-
-
 @dataclass(frozen=True, slots=True)
 class AliasChoice:
     """The alias route's pick (`Dispatcher.choose_model`)."""
@@ -302,12 +292,13 @@ class Dispatcher:
         if f.choice is None:
             f.predicted = max_tokens if f.params.ignore_eos else min(max_tokens, m.predictor.predict(p, f.slo))
         index = m.prefix_index
+        output_tokens = f.predicted * f.n  # n samples: n times the decode work
         if index is not None:
             f.prefix_hashes = prompt_block_hashes(f.prompt_ids, index.block_tokens)
-            feats = RequestFeatures(f.rid, p, f.predicted * f.n, f.slo, prefix_hashes=f.prefix_hashes,
+            feats = RequestFeatures(f.rid, p, output_tokens, f.slo, prefix_hashes=f.prefix_hashes,
                                     prefix_block_tokens=index.block_tokens)
         else:
-            feats = RequestFeatures(f.rid, p, f.predicted * f.n, f.slo)  # n samples: n times the decode work
+            feats = RequestFeatures(f.rid, p, output_tokens, f.slo)
         t0 = time.perf_counter()
         decode_views = self.registry.views(m, m.decode_role)
         if f.choice is not None and m.start_role is Role.PREFILL:  # the alias chose the prefill engine
@@ -332,7 +323,7 @@ class Dispatcher:
         f.decision, f.t_arrival = decision, t_arrival
         if index is not None:
             self._note_prefix(f, index, prefill_views + decode_views)
-        pw, dw = admission_work(m.cost_model, decision.prefill_id, decision.decode_id, p, f.predicted * f.n,
+        pw, dw = admission_work(m.cost_model, decision.prefill_id, decision.decode_id, p, output_tokens,
                                 self.ledger.queued(decision.decode_id))
         self.ledger.admit(f.rid, decision.prefill_id, decision.decode_id, pw, dw, p)
         self.window.admitted(p, f.slo)
@@ -556,22 +547,22 @@ class Dispatcher:
         await f.started
         error, first = None, True
         done = [False] * f.n
-        whole: dict[int, Any] = {}  # final_only: each sample's output so far
+        whole = None  # final_only: every sample's output so far, joined by vLLM's own `RequestOutput.add`
         try:
             async for index, delta in self._samples(f):
                 done[index] = delta.finish_reason is not None
-                if f.final_only:
-                    if index in whole:
-                        _append(whole[index], delta)
-                    else:
-                        whole[index] = delta
-                    continue
-                yield RequestOutput(f.rid, f.prompt_text, f.prompt_ids, f.prompt_logprobs if first else None,
+                out = RequestOutput(f.rid, f.prompt_text, f.prompt_ids, f.prompt_logprobs if first else None,
                                     [delta], all(done), num_cached_tokens=f.num_cached_tokens)
                 first = False
-            if f.final_only:
-                yield RequestOutput(f.rid, f.prompt_text, f.prompt_ids, f.prompt_logprobs,
-                                    [whole[i] for i in sorted(whole)], True, num_cached_tokens=f.num_cached_tokens)
+                if not f.final_only:
+                    yield out
+                elif whole is None:
+                    whole = out
+                else:
+                    whole.add(out, aggregate=True)
+            if whole is not None:
+                whole.outputs.sort(key=lambda o: o.index)
+                yield whole
         except (asyncio.CancelledError, GeneratorExit):
             error = "cancelled by client"
             self.counters.cancelled += 1
