@@ -22,7 +22,7 @@ import time
 from disagg.core.cost_model import load_profile
 from disagg.core.policies import build_policy, known_policies
 from disagg.core.types import InstanceView, RequestFeatures, Role, SloClass
-from disagg.sim.metrics import percentile
+from disagg.stats import percentile
 
 
 def make_pool(n: int, role: Role, rng: random.Random, cap: int) -> list[InstanceView]:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import aiohttp
 
-from disagg.sim.metrics import percentile
+from disagg.stats import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-qwen2"

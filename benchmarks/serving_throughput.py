@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg.bench.sse import DONE, SseDecoder
-from disagg.sim.metrics import percentile
+from disagg.stats import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-qwen2"

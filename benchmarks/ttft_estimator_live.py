@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from disagg.bench.sse import DONE, SseDecoder  # noqa: E402
-from disagg.sim.metrics import percentile  # noqa: E402
+from disagg.stats import percentile  # noqa: E402
 
 
 def prompt_of(rng: random.Random, tokens: int) -> list[int]:

@@ -32,7 +32,7 @@ from disagg.core.cost_model import EngineConstants, load_profile
 from disagg.core.engine_model import EngineModel, Job
 from disagg.core.types import SloClass
 from disagg.core.ttft_estimator import InstanceSnapshot, QueuedRequest, RunningRequest, estimate_ttft, snapshot_of
-from disagg.sim.metrics import percentile
+from disagg.stats import percentile
 
 
 REACHED_RATE = {8: 1.8, 32: 5.4, 64: 7.0}  # arrivals/s that keep about N in flight on a40

@@ -41,6 +41,7 @@ import numpy as np
 
 from disagg.core.cost_model import CostModel, EngineConstants, SloTarget, TransferConstants
 from disagg.core.types import SloClass
+from disagg.stats import percentile
 
 REFERENCE_PROMPT = 1024
 ATTENTION_MATERIAL = 0.02  # the attention term's least share of the longest prefill, to be kept
@@ -96,7 +97,7 @@ def fit_linear(samples: list[Sample], what: str, min_points: int = 3) -> LinearF
     sxx = float(np.sum((xs - xs.mean()) ** 2))
     stderr = float(np.sqrt(ss_res / (len(xs) - 2) / sxx)) if len(xs) > 2 else float("inf")
     return LinearFit(float(slope), float(intercept), 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0, len(samples),
-                     float(np.percentile(rel, 50)), float(np.percentile(rel, 90)), stderr)
+                     percentile(rel.tolist(), 50), percentile(rel.tolist(), 90), stderr)
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -166,7 +167,7 @@ def fit_prefill(samples: list[Sample], step_base_s: float, max_batched_tokens: i
     ss_tot = float(np.sum((ys - ys.mean()) ** 2))
     rel = np.abs(ys - pred) / ys
     return PrefillFit(slope, step_base_s + overhead, attention, stderr, 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
-                      len(xs), float(np.percentile(rel, 50)), float(np.percentile(rel, 90)))
+                      len(xs), percentile(rel.tolist(), 50), percentile(rel.tolist(), 90))
 
 
 @dataclass(slots=True)
@@ -329,4 +330,4 @@ def held_out_error(engine: EngineConstants, prefill: list[Sample], decode: list[
     rel += [abs(engine.decode_token_s(int(s.x)) - s.seconds) / s.seconds for s in decode]
     if not rel:
         raise CalibrationError("no held-out samples")
-    return {"n": len(rel), "median_rel_error": float(np.median(rel)), "p90_rel_error": float(np.percentile(rel, 90))}
+    return {"n": len(rel), "median_rel_error": float(np.median(rel)), "p90_rel_error": percentile(rel, 90)}

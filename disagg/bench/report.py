@@ -26,7 +26,8 @@ from typing import Sequence
 from disagg.bench.records import to_request_record
 from disagg.core.types import SloClass
 from disagg.files import write_figure
-from disagg.sim.metrics import percentile, summarize
+from disagg.sim.metrics import summarize
+from disagg.stats import percentile
 
 RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"

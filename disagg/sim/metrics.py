@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from disagg.core.types import SloClass, quick_init
+from disagg.stats import percentile
 
 
 @quick_init
@@ -49,19 +50,6 @@ class RequestRecord:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    if len(xs) == 1:
-        return xs[0]
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def summarize(records: Iterable[RequestRecord], instance_tokens: dict[str, int] | None = None) -> dict:

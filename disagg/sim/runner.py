@@ -36,9 +36,10 @@ from disagg.core.cost_model import CostModel
 from disagg.core.policies import build_policy, parse_policy_spec
 from disagg.core.predictor import BucketMeanPredictor, NoisyPredictor
 from disagg.sim.autoscaling import Scaler
-from disagg.sim.metrics import percentile, summarize
+from disagg.sim.metrics import summarize
 from disagg.sim.simulator import SimResult, Simulator, Topology
 from disagg.sim.traces import TraceRequest, assign_slo_classes, rescale_to_rate, trace_stats
+from disagg.stats import percentile
 
 
 def prepare_trace(trace: Sequence[TraceRequest], rate: float | None, tight_share: float, seed: int) -> list[TraceRequest]:

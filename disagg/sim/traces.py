@@ -63,6 +63,7 @@ import numpy as np
 
 from disagg.core.types import SloClass
 from disagg.files import atomic_write
+from disagg.stats import percentile
 
 __all__ = [
     "KNOWN_FORMATS",
@@ -519,11 +520,11 @@ def trace_stats(requests: Sequence[TraceRequest]) -> dict[str, float]:
         "span_s": span,
         "mean_rate": (len(requests) - 1) / span if span > 0 else 0.0,
         "prompt_mean": float(prompts.mean()),
-        "prompt_p50": float(np.percentile(prompts, 50)),
-        "prompt_p99": float(np.percentile(prompts, 99)),
+        "prompt_p50": float(percentile(prompts.tolist(), 50)),
+        "prompt_p99": float(percentile(prompts.tolist(), 99)),
         "output_mean": float(outputs.mean()),
-        "output_p50": float(np.percentile(outputs, 50)),
-        "output_p99": float(np.percentile(outputs, 99)),
+        "output_p50": float(percentile(outputs.tolist(), 50)),
+        "output_p99": float(percentile(outputs.tolist(), 99)),
         "interarrival_cv": float(gaps.std()) / gap_mean if gap_mean > 0 else 0.0,
         "tight_share": (sum(c is SloClass.TIGHT for c in classed) / len(classed)
                         if classed else 0.0),
