@@ -86,18 +86,14 @@ def cmd_calibrate_live(args) -> int:
 
 def _apply_cost_model(url: str, path: Path, model: str) -> None:
     """Have every router replica reload the file it was just written to (`POST /admin/cost_model`)."""
-    import httpx
-
-    from disagg.bench.loadgen import AppAuth, error_message
+    from disagg.app_client import AppClient, AppError
 
     try:
-        r = httpx.post(f"{url}/admin/cost_model", json={"cost_model": str(path.resolve()), "model": model},
-                       auth=AppAuth(), trust_env=False, timeout=60.0)
-    except httpx.HTTPError as e:
-        raise UsageError(f"wrote {path}, but could not apply it: {type(e).__name__}: {e}") from None
-    if r.status_code != 200:
-        raise UsageError(f"wrote {path}, but the router refused to load it ({r.status_code}): {error_message(r)}")
-    print(f"applied: router replicas {', '.join(r.json().get('routers', []))} price with {path} now")
+        with AppClient(url, timeout_s=60.0) as app:
+            routers = app.set_cost_model(str(path.resolve()), model).get("routers", [])
+    except AppError as e:
+        raise UsageError(f"wrote {path}, but the router did not load it: {e}") from None
+    print(f"applied: router replicas {', '.join(routers)} price with {path} now")
 
 
 def cmd_calibrate_engines(args) -> int:

@@ -150,26 +150,21 @@ async def calibrate_fleet(url: str, model: str | None, quick: bool, pause_s: flo
                           ) -> tuple[Fleet, dict[str, InstanceSamples], float]:
     """(the fleet, each instance's samples, seconds taken). `progress_for(total_steps)` makes a
     progress callback."""
-    import httpx
-
-    from disagg.bench.loadgen import make_client
+    from disagg.app_client import AppError, AsyncAppClient
 
     t0 = time.monotonic()
-    async with make_client(url, timeout_s=PROBE_TIMEOUT_S, max_connections=1) as client:
-        async def call(method: str, path: str, body: dict | None = None) -> dict:
-            try:
-                r = await client.request(method, path, json=body)
-            except httpx.HTTPError as e:
-                raise LiveCalibrationError(f"{url}{path}: {type(e).__name__}: {e}") from None
-            if r.status_code != 200:
-                raise LiveCalibrationError(f"{url}{path} {body or ''} answered {r.status_code}: {r.text[:300]}")
-            return r.json()
-
+    async with AsyncAppClient(url, timeout_s=PROBE_TIMEOUT_S, max_connections=1) as app:
         async def get_state() -> dict:
-            return await call("GET", "/admin/state")
+            try:
+                return await app.state()
+            except AppError as e:
+                raise LiveCalibrationError(str(e)) from None
 
         async def post(body: dict) -> dict:
-            return await call("POST", "/admin/probe", body)
+            try:
+                return await app.probe(body)
+            except AppError as e:
+                raise LiveCalibrationError(f"{e} (probe {body})") from None
 
         fleet = Fleet.from_state(await get_state(), model)
         plan = LivePlan.for_context(fleet.max_model_len, fleet.max_num_seqs, quick)

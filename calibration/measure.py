@@ -211,20 +211,19 @@ async def serving_path_gaps(url: str, prompt_tokens: int, n: int, seed: int = 0,
     and the decode engine's time to its first token), so the gap is measured, not modelled: the
     HTTP proxy, the router and the Serve hops. Sent and timed by the bench's client, as every live
     figure is."""
-    import httpx
-
-    from disagg.bench.loadgen import PlannedRequest, make_client, prompt_seed, send_one
+    from disagg.app_client import AppError, AsyncAppClient
+    from disagg.bench.loadgen import PlannedRequest, prompt_seed, send_one
 
     out: list[tuple[float, float]] = []
-    async with make_client(url, timeout_s=timeout_s, max_connections=1) as client:
+    async with AsyncAppClient(url, timeout_s=timeout_s, max_connections=1) as app:
         try:
-            model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
-            raise RuntimeError(f"{url}: no model from /v1/models ({type(e).__name__}: {e})") from None
+            model = (await app.model())["id"]
+        except (AppError, KeyError, TypeError) as e:
+            raise RuntimeError(f"{url}: no model from /v1/models ({e})") from None
         for i in range(n + 1):
             req = PlannedRequest(index=i, at_s=0.0, prompt_tokens=prompt_tokens, max_tokens=2,
                                  prompt_seed=prompt_seed(seed, "calibrate/serving", i))
-            r = await send_one(client, model, req, timeout_s=timeout_s)
+            r = await send_one(app.http, model, req, timeout_s=timeout_s)
             if r.error or r.ttft_s is None:
                 raise RuntimeError(f"{url}/v1/completions: {r.error or 'a streamed completion carried no token'}")
             try:

@@ -38,11 +38,10 @@ def stack(tmp_path_factory):
 
 
 def _admin_state(base_url: str) -> dict:
-    import json
-    import urllib.request
+    from disagg.app_client import AppClient
 
-    with urllib.request.urlopen(f"{base_url}/admin/state", timeout=30) as r:
-        return json.load(r)
+    with AppClient(base_url) as app:
+        return app.state()
 
 
 def _assert_nothing_failed_unprovoked(stack) -> None:

@@ -84,14 +84,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import httpx
-
+from disagg.app_client import AppError, AsyncAppClient
 from disagg.bench import report
-from disagg.bench.records import LIVE, SIM, to_request_record
 from disagg.bench.loadgen import (
-    ClientResult, ClientShards, PlannedRequest, error_message, event_loop_runner, prompt_seed, realtime_priority,
+    ClientResult, ClientShards, PlannedRequest, event_loop_runner, prompt_seed, realtime_priority,
     run_open_loop, send_one,
 )
+from disagg.bench.records import LIVE, SIM, to_request_record
 from disagg.core.cost_model import CostModel, load_profile
 from disagg.core.policies import PolicyError, known_policies, parse_policy_spec
 from disagg.core.types import SloClass
@@ -492,40 +491,40 @@ def check_out_dir(out: Path, settings: dict) -> dict | None:
 # --- talking to the app ------------------------------------------------------------------------
 
 
-async def probe_target(client: httpx.AsyncClient, url: str) -> Target:
+async def probe_target(app: AsyncAppClient) -> Target:
     try:
-        health = await client.get("/health", timeout=10.0)
-    except httpx.HTTPError as e:
-        raise BenchError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
-    if health.status_code != 200:
-        raise BenchError(f"{url}/health answered {health.status_code} ({health.text[:200]}); the app is not ready")
+        await app.health()
+    except AppError as e:
+        raise BenchError(f"{e}; the app is not ready") from None
     try:
-        models = (await client.get("/v1/models", timeout=10.0)).json()["data"][0]
-        state = (await client.get("/admin/state", timeout=10.0)).json()
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
-        raise BenchError(f"{url} does not look like the disagg app (/v1/models, /admin/state): {e}") from None
-    insts = state.get("instances") or {}
+        models = await app.model()
+        state = await app.state()
+    except AppError as e:
+        raise BenchError(f"{app.base_url} does not look like the disagg app: {e}") from None
+    insts = state["instances"] or {}
     max_len = models.get("max_model_len")
     if not isinstance(max_len, int) or max_len < 2:
-        raise BenchError(f"{url}/v1/models gives no usable max_model_len ({max_len!r})")
+        raise BenchError(f"{app.base_url}/v1/models gives no usable max_model_len ({max_len!r})")
     return Target(model=models["id"], max_model_len=max_len,
                   prefill=sorted(i for i, v in insts.items() if v.get("role") == "prefill"),
                   decode=sorted(i for i, v in insts.items() if v.get("role") == "decode"),
                   policy=state.get("policy", "?"), cost_model=state.get("cost_model", "?"))
 
 
-async def set_policy(client: httpx.AsyncClient, spec: str) -> None:
+async def set_policy(app: AsyncAppClient, spec: str) -> None:
     """Switch the app to a policy: a name, or NAME:key=value... (`parse_policy_spec`)."""
     name, params = parse_policy_spec(spec)
-    r = await client.post("/admin/policy", json={"name": name, "params": params}, timeout=30.0)
-    if r.status_code != 200:
-        raise BenchError(f"the app refused policy {spec!r} ({r.status_code}): {error_message(r)}")
+    try:
+        await app.set_policy(name, params)
+    except AppError as e:
+        raise BenchError(f"the app refused policy {spec!r}: {e}") from None
 
 
-async def reset_prefix_cache(client: httpx.AsyncClient) -> None:
-    r = await client.post("/admin/reset_prefix_cache", timeout=60.0)
-    if r.status_code != 200:
-        raise BenchError(f"POST /admin/reset_prefix_cache answered {r.status_code}: {r.text[:300]}")
+async def reset_prefix_cache(app: AsyncAppClient) -> None:
+    try:
+        await app.reset_prefix_cache()
+    except AppError as e:
+        raise BenchError(str(e)) from None
 
 
 # --- gates -------------------------------------------------------------------------------------
@@ -536,11 +535,11 @@ def _gate_request(seed: int, i: int, prompt: int, max_tokens: int, stream: str) 
                           prompt_seed=prompt_seed(seed, stream, i))
 
 
-async def token_count_gate(client: httpx.AsyncClient, model: str, seed: int, timeout_s: float,
+async def token_count_gate(app: AsyncAppClient, model: str, seed: int, timeout_s: float,
                            name: str = "token_count") -> dict:
     bad = []
     for i, n in enumerate((1, 9)):
-        r = await send_one(client, model, _gate_request(seed, i, 24, n, "gate/token_count"), timeout_s=timeout_s)
+        r = await send_one(app.http, model, _gate_request(seed, i, 24, n, "gate/token_count"), timeout_s=timeout_s)
         if r.error or r.usage_completion_tokens != n:
             bad.append(f"max_tokens={n}: usage.completion_tokens={r.usage_completion_tokens}, "
                        f"content events={r.content_events}, error={r.error}")
@@ -548,18 +547,18 @@ async def token_count_gate(client: httpx.AsyncClient, model: str, seed: int, tim
             "detail": "; ".join(bad) or "ignore_eos + max_tokens=N gave exactly N completion tokens (N=1, 9)"}
 
 
-async def baseline_gates(client: httpx.AsyncClient, name: str, model: str, seed: int, timeout_s: float,
+async def baseline_gates(app: AsyncAppClient, name: str, model: str, seed: int, timeout_s: float,
                          warm_requests: int = 8) -> list[dict]:
     """What can be checked of a system we cannot look inside: the token-count contract, then a
     warm-up of `warm_requests` requests (its instances are not addressable, so the greedy
     equivalence gate and a per-pair warm-up do not apply; its prefix cache cannot be reset, and
     the prompts it is measured on are ones it has never seen)."""
-    gates = [await token_count_gate(client, model, seed, timeout_s, name=f"{name}: token_count")]
+    gates = [await token_count_gate(app, model, seed, timeout_s, name=f"{name}: token_count")]
     if not gates[0]["passed"]:
         return gates
     errors = []
     for i in range(warm_requests):
-        r = await send_one(client, model, _gate_request(seed, i, 64, 4, f"gate/warm/{name}"), timeout_s=timeout_s)
+        r = await send_one(app.http, model, _gate_request(seed, i, 64, 4, f"gate/warm/{name}"), timeout_s=timeout_s)
         if r.error:
             errors.append(r.error)
     gates.append({"name": f"{name}: warm", "passed": not errors, "requests": warm_requests,
@@ -567,15 +566,14 @@ async def baseline_gates(client: httpx.AsyncClient, name: str, model: str, seed:
     return gates
 
 
-async def baseline_model(client: httpx.AsyncClient, name: str, url: str) -> str:
+async def baseline_model(app: AsyncAppClient, name: str) -> str:
     try:
-        r = await client.get("/v1/models", timeout=10.0)
-        return r.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
-        raise BenchError(f"baseline {name}: {url}/v1/models gave no model ({type(e).__name__}: {e})") from None
+        return (await app.model())["id"]
+    except (AppError, KeyError, TypeError) as e:
+        raise BenchError(f"baseline {name}: {app.base_url}/v1/models gave no model ({e})") from None
 
 
-async def run_gates(client: httpx.AsyncClient, target: Target, seed: int, timeout_s: float) -> list[dict]:
+async def run_gates(app: AsyncAppClient, target: Target, seed: int, timeout_s: float) -> list[dict]:
     """The three correctness gates, in order, up to the first that fails; each a dict with name,
     passed, detail and the number of requests it sent."""
     gates = []
@@ -584,16 +582,16 @@ async def run_gates(client: httpx.AsyncClient, target: Target, seed: int, timeou
         return _gate_request(seed, i, prompt, max_tokens, stream)
 
     # 1. token-count contract
-    gates.append(await token_count_gate(client, target.model, seed, timeout_s))
+    gates.append(await token_count_gate(app, target.model, seed, timeout_s))
     if not gates[-1]["passed"]:  # the first failed gate stops: what follows would measure a broken app
         return gates
 
     # 2. greedy equivalence across decode instances
-    await set_policy(client, "round_robin")
+    await set_policy(app, "round_robin")
     n = 2 * max(1, len(target.decode))
     texts, decodes, errors = [], set(), []
     for i in range(n):
-        r = await send_one(client, target.model, req(0, 32, 16, "gate/greedy"), timeout_s=timeout_s)
+        r = await send_one(app.http, target.model, req(0, 32, 16, "gate/greedy"), timeout_s=timeout_s)
         if r.error:
             errors.append(r.error)
         texts.append(r.text)
@@ -612,7 +610,7 @@ async def run_gates(client: httpx.AsyncClient, target: Target, seed: int, timeou
     seen, sent, errors = set(), 0, []
     limit = 2 * max(1, len(pairs_all))
     while sent < limit and not pairs_all <= seen:
-        r = await send_one(client, target.model, req(sent, 64, 4, "gate/warm"), timeout_s=timeout_s)
+        r = await send_one(app.http, target.model, req(sent, 64, 4, "gate/warm"), timeout_s=timeout_s)
         sent += 1
         if r.error:
             errors.append(r.error)
@@ -731,8 +729,8 @@ class Bench:
             sh = await stack.enter_async_context(
                 ClientShards(cfg.url, timeout_s=cfg.request_timeout_s, max_connections=cfg.max_connections))
             self.shards = sh
-            c = sh.admin
-            target = await probe_target(c, cfg.url)
+            c = sh.app
+            target = await probe_target(c)
             self.target = target
             self._resolve("max_model_len", target.max_model_len)
             self._resolve("model", target.model)
@@ -758,10 +756,10 @@ class Bench:
             for name, url in cfg.baselines:
                 shards = await stack.enter_async_context(
                     ClientShards(url, timeout_s=cfg.request_timeout_s, max_connections=cfg.max_connections))
-                model = await baseline_model(shards.admin, name, url)
+                model = await baseline_model(shards.app, name)
                 if cfg.gates:
                     self.log(f"gates for baseline {name}: token count, warm-up")
-                    gates = await baseline_gates(shards.admin, name, model, cfg.seed, cfg.request_timeout_s)
+                    gates = await baseline_gates(shards.app, name, model, cfg.seed, cfg.request_timeout_s)
                     self._record_gates(gates, f"baseline {name}: ")
                 baselines[name] = (shards, model)
             # interleaved: on every trace, each of our policies, then each baseline system
@@ -781,7 +779,7 @@ class Bench:
             raise GateFailed(f"{what}correctness gate failed, nothing measured: "
                              + "; ".join(f"{g['name']}: {g['detail']}" for g in failed))
 
-    async def _live_saturation(self, c: httpx.AsyncClient) -> None:
+    async def _live_saturation(self, c: AsyncAppClient) -> None:
         """Find each trace's saturation rate by probing the live app (round robin, short slices)."""
         cfg = self.cfg
         for t in self.traces:
@@ -811,7 +809,7 @@ class Bench:
     def _capacity_pool(self, t: TraceInput) -> list[TraceRequest]:
         return list(t.requests[: self.cfg.max_requests] if self.cfg.max_requests else t.requests)
 
-    async def _live_capacity(self, c: httpx.AsyncClient, t: TraceInput) -> None:
+    async def _live_capacity(self, c: AsyncAppClient, t: TraceInput) -> None:
         """Every policy's SLO capacity on trace `t`, searched live in lockstep (module doc, step 5)."""
         cfg = self.cfg
         pool = self._capacity_pool(t)
@@ -838,7 +836,7 @@ class Bench:
                     self.log(f"{t.name}: {policy} SLO capacity " + (f"{cap:.3f} req/s" if cap else "none"))
                 self._save_settings()
 
-    async def _capacity_probe(self, c: httpx.AsyncClient, t: TraceInput, pool: list[TraceRequest], policy: str,
+    async def _capacity_probe(self, c: AsyncAppClient, t: TraceInput, pool: list[TraceRequest], policy: str,
                               rate: float) -> float:
         """The share of requests meeting both SLO targets with `policy` at `rate` (a sustained load of
         about `probe_seconds`, from the trace's start)."""
@@ -877,7 +875,7 @@ class Bench:
                 out.setdefault(t.name, {})[policy] = found
                 self._save_settings()
 
-    async def _live_run(self, c: httpx.AsyncClient | None, policy: str, trace: str, *, system: str = LIVE,
+    async def _live_run(self, c: AsyncAppClient | None, policy: str, trace: str, *, system: str = LIVE,
                         shards: ClientShards | None = None, model: str | None = None) -> None:
         """One policy of our app (`c` switches it and resets its caches) or one baseline system
         (`c` None: its own `shards` and `model`, nothing to switch) on one trace slice."""

@@ -44,13 +44,13 @@ from typing import Any, Callable, Sequence
 import httpx
 import numpy as np
 
+from disagg.app_client import ROUTE_HEADER, AsyncAppClient, error_message, make_client
 from disagg.bench.sse import DONE, SseDecoder
 from disagg.core.types import PREFIX_BLOCK_TOKENS
-from disagg.sim.metrics import percentile
+from disagg.stats import percentile
 
 PROMPT_ID_RANGE = (100, 1000)  # token ids drawn from [100, 1000): inside any vocabulary we serve
 _HASHED_BLOCK = 0x9E3779B9  # seeds a hashed block's ids: apart from every per-request seed (3 words)
-ROUTE_HEADER = "x-disagg-route"
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,40 +156,6 @@ def request_body(model: str, req: PlannedRequest) -> bytes:
     }, separators=(",", ":")).encode()
 
 
-API_KEY_VAR, ADMIN_TOKEN_VAR = "DISAGG_API_KEY", "DISAGG_ADMIN_TOKEN"
-
-
-class AppAuth(httpx.Auth):
-    """Bearer credentials for an app that requires them (`router.api_keys_env`, `router.admin: token`):
-    $DISAGG_ADMIN_TOKEN on `/admin/*`, $DISAGG_API_KEY on everything else; nothing when unset.
-    Read at each request, so a rotated key is picked up; never logged."""
-
-    def auth_flow(self, request: httpx.Request):
-        var = ADMIN_TOKEN_VAR if "/admin/" in request.url.path else API_KEY_VAR
-        if token := os.environ.get(var):
-            request.headers["Authorization"] = f"Bearer {token}"
-        yield request
-
-
-def error_message(r: httpx.Response) -> str:
-    """The message of an OpenAI-shaped error answer, else the start of its body."""
-    try:
-        return r.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return r.text[:300]
-
-
-def make_client(base_url: str, *, timeout_s: float, max_connections: int) -> httpx.AsyncClient:
-    """One pooled client; `trust_env=False` keeps proxy variables out of the way (all traffic goes
-    to the app under test). HTTP/1.1 holds one stream per connection. Credentials: `AppAuth`."""
-    return httpx.AsyncClient(
-        base_url=base_url, trust_env=False, auth=AppAuth(),
-        timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
-        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                            keepalive_expiry=30.0),
-    )
-
-
 class ClientShards:
     """Several pooled clients, request i on client i mod k: together a pool of `max_connections`.
 
@@ -198,15 +164,12 @@ class ClientShards:
     Measured against the stub at 500 arrivals/s with 0.3 s answers (~150 in flight): one client
     burnt 34 ms of CPU per request and fell to 350 sends/s; sharded it stays near 1 ms. With the
     shards, every request in flight gets its own connection (the pool never queues a send).
-    An async context manager; `admin` is the client for the admin API calls."""
+    An async context manager; `app` is the app's API on the first shard (admin calls, gates)."""
 
     def __init__(self, base_url: str, *, timeout_s: float, max_connections: int = 4096, shards: int = 32) -> None:
         per = max(8, -(-max_connections // shards))
         self.clients = [make_client(base_url, timeout_s=timeout_s, max_connections=per) for _ in range(shards)]
-
-    @property
-    def admin(self) -> httpx.AsyncClient:
-        return self.clients[0]
+        self.app = AsyncAppClient(base_url, http=self.clients[0])
 
     def pick(self, index: int) -> httpx.AsyncClient:
         return self.clients[index % len(self.clients)]
@@ -265,15 +228,6 @@ class _Stream:
             self.usage = obj["usage"]
 
 
-def _error_message(status: int, raw: bytes) -> str:
-    try:
-        err = json.loads(raw)["error"]
-        msg = err.get("message", err) if isinstance(err, dict) else err
-    except (ValueError, KeyError, TypeError):
-        msg = raw[:300].decode(errors="replace")
-    return f"HTTP {status}: {msg}"
-
-
 async def send_one(client: httpx.AsyncClient, model: str, req: PlannedRequest, body: bytes | None = None, *,
                    t_sched: float | None = None, t0: float | None = None, timeout_s: float = 300.0,
                    clock: Callable[[], float] = time.perf_counter) -> ClientResult:
@@ -322,7 +276,8 @@ async def _exchange(client, body, headers, res: ClientResult, s: _Stream, clock)
         res.status = resp.status_code
         res.route = parse_route(resp.headers.get(ROUTE_HEADER))
         if resp.status_code != 200:
-            res.error = _error_message(resp.status_code, await resp.aread())
+            await resp.aread()
+            res.error = f"HTTP {resp.status_code}: {error_message(resp)}"
             return
         async for chunk in resp.aiter_raw():
             s.feed(chunk, clock())

@@ -46,15 +46,10 @@ def fmt_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 
 def check_reachable(url: str) -> None:
     """Before minutes of work that need the app: is it there and ready?"""
-    import urllib.error
-    import urllib.request
+    from disagg.app_client import AppClient, AppError
 
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
-            if r.status == 200:
-                return
-            raise UsageError(f"{url}/health answered {r.status}; the app is not ready")
-    except urllib.error.HTTPError as e:
-        raise UsageError(f"{url}/health answered {e.code}; the app is not ready") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise UsageError(f"cannot reach {url}: {e}") from None
+        with AppClient(url) as app:
+            app.health()
+    except AppError as e:
+        raise UsageError(str(e) if e.status is None else f"{e}; the app is not ready") from None

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from disagg.app_client import make_client
 from disagg.bench.loadgen import (
-    ClientShards, PlannedRequest, event_loop_runner, make_client, parse_route, prompt_ids, prompt_seed,
+    ClientShards, PlannedRequest, event_loop_runner, parse_route, prompt_ids, prompt_seed,
     realtime_priority, run_open_loop,
 )
 
@@ -384,7 +385,7 @@ def test_the_bench_client_sends_the_apps_credentials_from_the_environment(monkey
     the rest the API key; with neither set no Authorization header is sent."""
     import httpx
 
-    from disagg.bench.loadgen import AppAuth, make_client
+    from disagg.app_client import AppAuth, make_client
 
     assert isinstance(make_client("http://app", timeout_s=5, max_connections=1).auth, AppAuth)
     seen = []
