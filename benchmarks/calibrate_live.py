@@ -22,12 +22,11 @@ import asyncio
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from calibration.fit import held_out_error, fit_fleet
+from calibration.fit import fit_fleet, held_out_error
 from calibration.live import calibrate_fleet
+from disagg.bench.script import write_result
 from disagg.core.cost_model import CostModel
-from disagg.files import write_json_atomic
 
 
 def spread(xs: list[float]) -> str:
@@ -79,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{iid} ({cells[0]['role']}): τ_pre {spread([c['tau_pre_s'] * 1e6 for c in cells])} µs/token, "
               f"step base {spread([c['step_base_s'] * 1e3 for c in cells])} ms; held-out median error: {errs}")
     if args.json:
-        write_json_atomic(Path(args.json), {"runs": runs, "quick": args.quick, "pause_s": args.pause_s,
-                                            "compare": args.compare})
+        write_result(args.json, {"runs": runs, "quick": args.quick, "pause_s": args.pause_s, "compare": args.compare})
     return 0
 
 

@@ -33,8 +33,9 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from disagg.bench.script import write_result
 from disagg.core.cost_model import load_profile
-from disagg.files import atomic_write, write_json_atomic
+from disagg.files import atomic_write
 from disagg.sim.runner import find_capacity
 from disagg.sim.simulator import Topology
 from disagg.sim.traces import read_trace
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         with atomic_write(a.markdown) as f:
             f.write(table + "\n")
     if a.json:
-        write_json_atomic(a.json, {
+        write_result(a.json, {
             "cost_model": "a40", "tight_share": 0.5, "capacity_steps": a.capacity_steps,
             "max_requests": a.max_requests, "generated_requests": a.generated_requests,
             "traces": [{"trace": n, "attainment": att} for n, att in a.traces],

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import time
 
+from disagg.bench.script import write_result
 from disagg.core.cost_model import load_profile
 from disagg.core.policies import build_policy, known_policies
 from disagg.core.types import InstanceView, RequestFeatures, Role, SloClass
@@ -80,8 +80,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['policy']} | {r['candidates']} | {r['p50_us']:.1f} | {r['p99_us']:.1f} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        write_result(args.json, {"calls": args.calls, "gc": args.gc, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -22,24 +22,19 @@ per-repeat paired difference (calibrated − default). The router is left with t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
-import httpx
-
+from disagg.app_client import AppClient, AppError
 from disagg.bench.harness import BenchConfig, BenchError, run_bench
-from disagg.bench.loadgen import AppAuth, error_message
+from disagg.bench.script import write_result
 
 
 def set_cost_model(url: str, source: str) -> dict:
-    """`POST /admin/cost_model` with the credentials the CLI sends ($DISAGG_ADMIN_TOKEN where set)."""
-    with httpx.Client(base_url=url, trust_env=False, auth=AppAuth(), timeout=30) as client:
-        r = client.post("/admin/cost_model", json={"cost_model": source})
-    if r.status_code != 200:
-        raise RuntimeError(f"{url}/admin/cost_model answered {r.status_code}: {error_message(r)}")
-    return r.json()
+    """Every router replica of the app at `url` prices with `source` from now on."""
+    with AppClient(url) as router:
+        return router.set_cost_model(source)
 
 
 def arm_order(repeats: int) -> list[tuple[int, str]]:
@@ -95,13 +90,13 @@ def main(argv=None) -> int:
                 results[arm].setdefault(run["trace"], []).append(
                     {"repeat": k, "goodput": run["goodput"], "ttft_p99_s": run["ttft_p99_s"],
                      "ttft_p50_s": run["ttft_p50_s"], "requests": run["requests"], "failed": run["failed"]})
-    except BenchError as e:
+    except (BenchError, AppError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         try:
             set_cost_model(args.url, args.calibrated)
-        except OSError:
+        except AppError:
             pass
 
     print(f"\n{args.policy}, {args.max_requests} requests per trace at {args.rate:g} req/s, {args.repeats} repeats; "
@@ -116,8 +111,7 @@ def main(argv=None) -> int:
             delta = spread(deltas) if arm == "calibrated" else ""
             print(f"| {trace} | {arm} | {spread([r['goodput'] for r in rows])} | "
                   f"{spread([r['ttft_p99_s'] for r in rows])} | {delta} |")
-    (args.out / "miscalibration.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                              "results": results}, indent=1))
+    write_result(args.out / "miscalibration.json", {"args": vars(args), "results": results})
     return 0
 
 

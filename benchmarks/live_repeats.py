@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from disagg.bench.harness import BenchConfig, run_bench
-from disagg.files import write_json_atomic
+from disagg.bench.script import write_result
 from disagg.user_input import resolve_trace
 
 
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
                           seed=args.seed, cost_model=args.cost_model, gates=r == 0, realtime=args.realtime)
         per_repeat.append(run_bench(cfg))
     result = {"settings": vars(args), "traces": summary(per_repeat, policies)}
-    write_json_atomic(out / "summary.json", result)
+    write_result(out / "summary.json", result)
     for trace, cells in result["traces"].items():
         print(f"\n{trace}")
         for p in policies:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -40,15 +39,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from disagg.app_client import AppClient, AppError, AsyncAppClient
+from disagg.bench.script import log, write_result
+from disagg.stats import percentile
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-qwen2"
 RAY_TMP = Path("/tmp/ray")
 GIB = 1024 ** 3
 MIB = 1024 ** 2
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,14 +244,12 @@ def router_sample(pid: int, settle_s: float) -> dict[str, Any]:
 
 async def load(base_url: str, n: int, concurrency: int, timeout_s: float, tag: str) -> dict[str, Any]:
     """n small requests, `concurrency` in flight, stops handing out work at the deadline."""
-    import httpx
-
     lat: list[float] = []
     errors: dict[str, int] = {}
     next_i = 0
     deadline = time.monotonic() + timeout_s
 
-    async def worker(client):
+    async def worker(app: AsyncAppClient):
         nonlocal next_i
         while next_i < n and time.monotonic() < deadline:
             i = next_i
@@ -261,32 +258,21 @@ async def load(base_url: str, n: int, concurrency: int, timeout_s: float, tag: s
                     "temperature": 0.0, "ignore_eos": True}
             t0 = time.perf_counter()
             try:
-                r = await client.post("/v1/completions", json=body)
-                if r.status_code == 200:
-                    lat.append(time.perf_counter() - t0)
-                else:
-                    errors[f"HTTP {r.status_code}"] = errors.get(f"HTTP {r.status_code}", 0) + 1
-            except Exception as e:
-                errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
+                await app.complete(body)
+                lat.append(time.perf_counter() - t0)
+            except AppError as e:
+                what = f"HTTP {e.status}" if e.status is not None else e.message.partition(":")[0]  # the error type
+                errors[what] = errors.get(what, 0) + 1
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(60.0), limits=limits) as client:
-        await asyncio.wait_for(asyncio.gather(*(worker(client) for _ in range(concurrency))), timeout_s + 120)
+    async with AsyncAppClient(base_url, timeout_s=60.0, max_connections=concurrency) as app:
+        await asyncio.wait_for(asyncio.gather(*(worker(app) for _ in range(concurrency))), timeout_s + 120)
     wall = time.perf_counter() - t0
-    lat.sort()
     return {"requested": n, "ok": len(lat), "errors": errors, "wall_s": wall,
             "req_per_s": len(lat) / wall if wall else 0.0,
-            "latency_p50_ms": lat[len(lat) // 2] * 1e3 if lat else None,
-            "latency_p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3 if lat else None,
+            "latency_p50_ms": percentile([x * 1e3 for x in lat], 50, empty=None),
+            "latency_p99_ms": percentile([x * 1e3 for x in lat], 99, empty=None),
             "timed_out": next_i < n}
-
-
-def admin_state(base_url: str) -> dict:
-    import urllib.request
-
-    with urllib.request.urlopen(f"{base_url}/admin/state", timeout=10) as r:
-        return json.loads(r.read())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -321,7 +307,7 @@ def main(argv=None) -> int:
         log("a Ray cluster or vLLM engine processes are already running; refusing to start")
         return 2
     stack = LocalStack(args.config, log=lambda m: log(f"stack: {m}"))
-    out: dict[str, Any] = {"args": vars(args), "command": " ".join([sys.executable, *sys.argv])}
+    out: dict[str, Any] = {"args": vars(args)}
     out["machine_used_before"] = used_bytes()
     me = {os.getpid()}
     try:
@@ -360,7 +346,8 @@ def main(argv=None) -> int:
             log(f"  router RSS {samples['final_idle']['rss'] / MIB:.1f} MiB")
         out["idle_control_s"] = idle_s
         out["router"] = {"pid": pid, **samples}
-        out["router_state"] = admin_state(stack.base_url)
+        with AppClient(stack.base_url, timeout_s=10.0) as app:
+            out["router_state"] = app.state()
         out["cluster_after_load"] = cluster_memory(me)
     finally:
         log("stopping ...")
@@ -403,8 +390,7 @@ def main(argv=None) -> int:
     print(f"Router counters at the end: {out['router_state'].get('counters')} (requests not sent by this "
           f"script would show as requests > {sum(done.values())}).")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        write_result(args.json, out)
         log(f"wrote {args.json}")
     return 0
 

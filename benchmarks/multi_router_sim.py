@@ -27,10 +27,9 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
+from disagg.bench.script import write_result
 from disagg.core.cost_model import load_profile
-from disagg.files import json_safe, write_json_atomic
 from disagg.sim.runner import find_saturation, prepare_trace, simulate
 from disagg.sim.simulator import Simulator, Topology
 from disagg.sim.traces import read_trace
@@ -158,7 +157,7 @@ def main() -> int:
     out["wall_s"] = time.perf_counter() - t_start
     print(f"\ntotal {out['wall_s']:.0f} s", file=sys.stderr)
     if args.json:
-        write_json_atomic(Path(args.json), json_safe(out))
+        write_result(args.json, out)
     return 0
 
 

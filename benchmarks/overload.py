@@ -35,18 +35,12 @@ from pathlib import Path
 
 import aiohttp
 
+from disagg.app_client import AppError, AsyncAppClient
+from disagg.bench.script import log, write_result
 from disagg.stats import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-qwen2"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    return percentile(xs, q) if xs else None  # None, not NaN: the summary is printed as JSON
 
 
 SEND_LATE_S: list[float] = []  # per request sent open-loop: seconds behind its scheduled time
@@ -117,21 +111,24 @@ def summarize(results: list[dict], rss: list[float], cap: float, rate: float) ->
     shed = [r for r in results if r["status"] == 429]
     timeouts = [r for r in results if r["status"] is None]
     other = [r for r in results if r["status"] not in (200, 429, None)]
+    # None, not NaN, where there is nothing to rank: the summary is printed as JSON
+    ok_s, shed_s = [r["latency_s"] for r in ok], [r["latency_s"] for r in shed]
     by_class = {c: {"sent": sum(r["slo"] == c for r in results),
                     "shed": sum(r["slo"] == c and r["status"] == 429 for r in results)} for c in ("loose", "tight")}
     return {
         "capacity_rps": cap, "offered_rps": rate, "sent": len(results),
         "accepted": len(ok), "accepted_complete": sum(r.get("complete", False) for r in ok),
-        "shed_429": len(shed), "shed_latency_ms_p50": (pct([r["latency_s"] for r in shed], 50) or 0) * 1e3,
-        "shed_latency_ms_p99": (pct([r["latency_s"] for r in shed], 99) or 0) * 1e3,
+        "shed_429": len(shed), "shed_latency_ms_p50": percentile(shed_s, 50, empty=0.0) * 1e3,
+        "shed_latency_ms_p99": percentile(shed_s, 99, empty=0.0) * 1e3,
         "retry_after_s": sorted({r["retry_after"] for r in shed}),
-        "accepted_latency_s_p50": pct([r["latency_s"] for r in ok], 50),
-        "accepted_latency_s_p99": pct([r["latency_s"] for r in ok], 99),
+        "accepted_latency_s_p50": percentile(ok_s, 50, empty=None),
+        "accepted_latency_s_p99": percentile(ok_s, 99, empty=None),
         "client_timeouts_or_connection_errors": len(timeouts), "other_errors": len(other),
         "other_error_samples": [r.get("error") for r in other[:3]],
         "by_class": by_class, "router_rss_mb": rss,
         "router_rss_growth_mb": (rss[-1] - rss[0]) if len(rss) > 1 else 0.0,
-        "generator_send_late_s_p50": pct(SEND_LATE_S, 50), "generator_send_late_s_p99": pct(SEND_LATE_S, 99),
+        "generator_send_late_s_p50": percentile(SEND_LATE_S, 50, empty=None),
+        "generator_send_late_s_p99": percentile(SEND_LATE_S, 99, empty=None),
     }
 
 
@@ -167,16 +164,17 @@ async def run(args) -> dict:
         log(f"overload at {rate:.1f} req/s for {args.duration:.0f} s ...")
         results, rss = await overload(client, rate, args.duration, args.tokens, args.seed)
         summary = summarize(results, rss, cap, rate)
-        summary.update(await router_view(client))
+        summary.update(await router_view(args.url))
     return summary
 
 
-async def router_view(client) -> dict:
+async def router_view(url: str) -> dict:
     """What the routers counted (their 429s by cause) and how far their event loops fell behind."""
-    async with client.get("/admin/state") as r:
-        if r.status != 200:  # admin not reachable from here (token or loopback settings): say so
-            return {"router_state": f"/admin/state answered {r.status}"}
-        state = await r.json()
+    try:
+        async with AsyncAppClient(url) as app:
+            state = await app.state()
+    except AppError as e:  # admin not reachable from here (token or loopback settings): say so
+        return {"router_state": str(e)}
     keys = ("served", "failed", "shed_429", "shed_router_busy")
     return {"router_counters": {k: state["counters"].get(k) for k in keys},
             "router_loop_lag_peak_s": max((x.get("loop_lag_peak_s") or 0.0) for x in state["routers"].values())}
@@ -218,9 +216,7 @@ def main(argv=None) -> int:
             stack.stop()
     print(json.dumps(summary, indent=1), flush=True)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"command": " ".join([sys.executable, *sys.argv]),
-                                               "summary": summary}, indent=1))
+        write_result(args.json, {"summary": summary})
     return 0
 
 

@@ -25,6 +25,9 @@ from pathlib import Path
 
 import httpx
 
+from disagg.app_client import AppError, AsyncAppClient
+from disagg.bench.script import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = "http://127.0.0.1:8265/api/serve/applications/"
 
@@ -43,31 +46,32 @@ def schedule(args, seed: int = 0) -> list[tuple[float, str]]:
     return out
 
 
-async def send(client: httpx.AsyncClient, args, i: int, results: list) -> None:
+async def send(app: AsyncAppClient, args, i: int, results: list) -> None:
     body = {"model": "tiny-qwen2", "prompt": [100 + (i * 7919 + k * 31) % 900 for k in range(args.prompt)],
             "max_tokens": args.tokens, "ignore_eos": True, "temperature": 0.0}
     t = time.perf_counter()
     try:
-        r = await client.post("/v1/completions", json=body, headers={"X-SLO-Class": args.slo})
-        results.append({"i": i, "status": r.status_code, "s": time.perf_counter() - t})
-    except httpx.HTTPError as e:
-        results.append({"i": i, "status": None, "error": type(e).__name__, "s": time.perf_counter() - t})
+        await app.complete(body, headers={"X-SLO-Class": args.slo})
+        results.append({"i": i, "status": 200, "s": time.perf_counter() - t})
+    except AppError as e:
+        results.append({"i": i, "status": e.status, "error": e.message[:200], "s": time.perf_counter() - t})
 
 
-async def sample(client: httpx.AsyncClient, start: float) -> dict:
+async def sample(app: AsyncAppClient, dashboard: httpx.AsyncClient, start: float) -> dict:
     row = {"t": round(time.perf_counter() - start, 1)}
     try:
-        state = (await client.get("/admin/state")).json()
+        state = await app.state()
         plan = state.get("planner") or {}
         row["planned_decode"] = plan.get("decode")
         row["reasons"] = plan.get("reasons")
         row["decode_instances"] = sum(1 for v in state["instances"].values() if v["role"] == "decode")
-        apps = (await client.get(DASHBOARD)).json()["applications"]["disagg"]["deployments"]
+        # Ray's dashboard, not the app: no credentials of the app go there
+        apps = (await dashboard.get(DASHBOARD)).json()["applications"]["disagg"]["deployments"]
         for pool in ("prefill", "decode"):
             d = apps[pool]
             row[f"{pool}_target"] = d["target_num_replicas"]
             row[f"{pool}_running"] = sum(1 for r in d["replicas"] if r.get("state") == "RUNNING")
-    except (httpx.HTTPError, KeyError, ValueError) as e:
+    except (AppError, httpx.HTTPError, KeyError, ValueError) as e:
         row["error"] = f"{type(e).__name__}: {e}"
     return row
 
@@ -76,15 +80,15 @@ async def drive(base_url: str, args) -> dict:
     plan = schedule(args)
     results: list[dict] = []
     timeline: list[dict] = []
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(args.timeout_s),
-                                 limits=httpx.Limits(max_connections=512)) as client:
+    async with AsyncAppClient(base_url, timeout_s=args.timeout_s, max_connections=512) as app, \
+            httpx.AsyncClient(trust_env=False, timeout=10.0) as dashboard:
         start = time.perf_counter()
         end = args.before_s + args.step_s + args.after_s
         tasks = []
 
         async def sampler() -> None:
             while time.perf_counter() - start < end + args.drain_s:
-                row = await sample(client, start)
+                row = await sample(app, dashboard, start)
                 row["phase"] = ("before" if row["t"] < args.before_s else
                                 "step" if row["t"] < args.before_s + args.step_s else "after")
                 timeline.append(row)
@@ -94,7 +98,7 @@ async def drive(base_url: str, args) -> dict:
         sampling = asyncio.create_task(sampler())
         for i, (at, _) in enumerate(plan):
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
-            tasks.append(asyncio.create_task(send(client, args, i, results)))
+            tasks.append(asyncio.create_task(send(app, args, i, results)))
         await asyncio.wait(tasks, timeout=args.timeout_s)
         await sampling
     ok = sum(1 for r in results if r["status"] == 200)
@@ -130,9 +134,7 @@ def main(argv=None) -> int:
     print(f"{out['ok']}/{out['requests']} requests answered 200; decode replicas running: "
           f"min {min(decode, default=None)}, max {max(decode, default=None)}, last {decode[-1] if decode else None}")
     if args.json:
-        from disagg.files import write_json_atomic
-
-        write_json_atomic(args.json, out)
+        write_result(args.json, out)
     return 0
 
 

@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         mine = [r for r in rows if r["dtype"] == dtype]
         print(f"{dtype}: {sum(r['same'] for r in mine)} of {len(mine)} recomputed continuations agree")
     if a.json:
-        from disagg.files import write_json_atomic
-        write_json_atomic(a.json, {"model": model, "max_tokens": a.max_tokens, "rows": rows})
+        from disagg.bench.script import write_result
+        write_result(a.json, {"model": model, "max_tokens": a.max_tokens, "rows": rows})
     return 0
 
 

@@ -20,45 +20,22 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from disagg.bench.sse import DONE, SseDecoder
+from disagg.app_client import CHAT, COMPLETIONS, AppClient, AppError
+from disagg.bench.script import log, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = "http://127.0.0.1:8000"
 MODEL = "tiny-qwen2"
 FAULT_COUNTERS = ("prefill_retries", "local_prefill_fallbacks", "decode_retries", "misrouted", "failed",
                   "instances_lost")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def get(path: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(BASE + path, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def post(path: str, body: dict, timeout: float = 120.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(BASE + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def request(i: int) -> tuple[bool, str]:
@@ -68,23 +45,23 @@ def request(i: int) -> tuple[bool, str]:
     if i % 2:
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"Question {i}: where do tokens go?"}],
                 "max_tokens": n, "ignore_eos": True, "temperature": 0, "stream": stream}
-        path = "/v1/chat/completions"
+        path = CHAT
     else:
         body = {"model": MODEL, "prompt": f"Request {i} " + "decode prefill " * (i % 40), "max_tokens": n,
                 "ignore_eos": True, "temperature": 0, "stream": stream}
-        path = "/v1/completions"
+        path = COMPLETIONS
     if stream:
         body["stream_options"] = {"include_usage": True}
-    status, raw = post(path, body)
-    if status != 200:
-        return False, f"HTTP {status}: {raw[:200]!r}"
-    if stream:
-        events = [json.loads(data) for data in SseDecoder().feed(raw) if data != DONE]
-        usage = next((e["usage"] for e in events if e.get("usage")), None)
-        if any("error" in e for e in events):
-            return False, f"stream error: {events}"
-    else:
-        usage = json.loads(raw)["usage"]
+    try:
+        with AppClient(BASE, timeout_s=120.0) as app:
+            if stream:
+                with app.stream(path, body) as events:
+                    events = list(events)  # to [DONE]: an error event raises
+                    usage = next((e["usage"] for e in events if e.get("usage")), None)
+            else:
+                usage = (app.chat(body) if path == CHAT else app.complete(body))["usage"]
+    except AppError as e:
+        return False, str(e)
     if not usage or usage["completion_tokens"] != n:
         return False, f"asked for {n} tokens, usage {usage}"
     return True, ""
@@ -104,40 +81,35 @@ def one_start(index: int, args) -> dict:
                             start_new_session=True)
     result: dict = {"start": index, "ok": False}
     try:
-        deadline = t0 + args.ready_timeout
-        while time.monotonic() < deadline and proc.poll() is None:
+        with AppClient(BASE, timeout_s=10.0) as app:
             try:
-                if get("/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(2.0)
-        else:
-            result["error"] = f"not healthy within {args.ready_timeout:.0f} s (serve run exit {proc.poll()})"
-            return result
-        result["ready_s"] = round(time.monotonic() - t0, 1)
-        instances = set(json.loads(get("/admin/state")[1])["instances"])
-        log(f"start {index}: healthy after {result['ready_s']} s; {len(instances)} engine instances")
-        errors = []
-        t1 = time.monotonic()
-        half = args.requests // 2
-        for i in range(half):  # one at a time, then 8 at once
-            ok, why = request(i)
-            if not ok:
-                errors.append(why)
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            for ok, why in pool.map(request, range(half, args.requests)):
+                app.wait_healthy(args.ready_timeout, still_starting=lambda: proc.poll() is None)
+            except AppError as e:
+                result["error"] = f"{e} (serve run exit {proc.poll()})"
+                return result
+            result["ready_s"] = round(time.monotonic() - t0, 1)
+            instances = set(app.state()["instances"])
+            log(f"start {index}: healthy after {result['ready_s']} s; {len(instances)} engine instances")
+            errors = []
+            t1 = time.monotonic()
+            half = args.requests // 2
+            for i in range(half):  # one at a time, then 8 at once
+                ok, why = request(i)
                 if not ok:
                     errors.append(why)
-        result["requests_s"] = round(time.monotonic() - t1, 1)
-        state = json.loads(get("/admin/state")[1])
-        faults = {k: state["counters"].get(k) for k in FAULT_COUNTERS}
-        replaced = sorted(instances - set(state["instances"]))
-        result.update(errors=errors, faults=faults, replaced=replaced, served=state["counters"]["served"])
-        result["ok"] = not errors and not replaced and all(v == 0 for v in faults.values())
-        log(f"start {index}: {args.requests - len(errors)}/{args.requests} requests ok, faults {faults}, "
-            f"replaced {replaced or 'none'} -> {'PASS' if result['ok'] else 'FAIL'}")
-        return result
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                for ok, why in pool.map(request, range(half, args.requests)):
+                    if not ok:
+                        errors.append(why)
+            result["requests_s"] = round(time.monotonic() - t1, 1)
+            state = app.state()
+            faults = {k: state["counters"].get(k) for k in FAULT_COUNTERS}
+            replaced = sorted(instances - set(state["instances"]))
+            result.update(errors=errors, faults=faults, replaced=replaced, served=state["counters"]["served"])
+            result["ok"] = not errors and not replaced and all(v == 0 for v in faults.values())
+            log(f"start {index}: {args.requests - len(errors)}/{args.requests} requests ok, faults {faults}, "
+                f"replaced {replaced or 'none'} -> {'PASS' if result['ok'] else 'FAIL'}")
+            return result
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C, as a user stops it
         try:
@@ -176,9 +148,7 @@ def main(argv=None) -> int:
     log(f"{passed}/{args.starts} starts passed; ready in {summary['ready_s_median']} s (median), "
         f"range {summary['ready_s_range']}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"command": " ".join([sys.executable, *sys.argv]),
-                                               "summary": summary, "starts": results}, indent=1))
+        write_result(args.json, {"summary": summary, "starts": results})
     return 0 if passed == args.starts else 1
 
 

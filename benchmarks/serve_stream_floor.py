@@ -32,15 +32,12 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from disagg.files import write_json_atomic  # noqa: E402
+from disagg.app_client import AppClient  # noqa: E402
+from disagg.bench.script import log, write_result  # noqa: E402
 from serve_app.launch import RAY_ADDRESS, _bin, _env  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 PORT = 8000
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def build_app(items: int, interval_s: float):
@@ -147,14 +144,8 @@ def main() -> int:
         ray.init(address=RAY_ADDRESS, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
         serve.run(build_app(args.items, args.interval_s), name="floor", route_prefix="/")
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        with AppClient(f"http://127.0.0.1:{PORT}") as relay:  # the relay answers /health as the app does
+            relay.wait_healthy(120, poll_s=1.0)
         asyncio.run(load(args.streams, args.streams, args.items))  # warm-up
         rounds = []
         for r in range(args.rounds):
@@ -174,7 +165,7 @@ def main() -> int:
     log(f"relay CPU per streamed item: {summary['relay_us_per_item_median']:.0f} µs "
         f"({min(per_item):.0f}-{max(per_item):.0f}) over {args.rounds} rounds")
     if args.json:
-        write_json_atomic(args.json, summary)
+        write_result(args.json, summary)
     return 0
 
 

@@ -17,7 +17,7 @@ prompts (new ones every round, the same set for every system within a round):
 
 * A — our graph: deployments/bench-1p1d.yaml deployed with `serve_app.launch.LocalStack`
   (router ingress → prefill replica → decode replica, tokens back through the router), driven
-  over HTTP (`POST /v1/completions`, SSE) with httpx.
+  over HTTP (`POST /v1/completions`, SSE) with the project's client (`disagg.app_client`).
 * B — the same engines' limit: two `serve_app.engine.VllmEngine` objects (prefill, decode) in
   *this* process, outside Ray; per request `prefill()` then `decode()` with the prefill's
   `kv_transfer_params`. No HTTP, no tokenization in the timed path (prompts are tokenized before
@@ -55,18 +55,16 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from disagg.bench.sse import DONE, SseDecoder
+from disagg.app_client import COMPLETIONS, AppClient, AppError, AsyncAppClient
+from disagg.bench.script import log, write_result
 from disagg.stats import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,10 +84,6 @@ WORDS = ("model token request prefill decode cache memory engine router latency 
          "queue prompt output input length budget cost price signal pressure block transfer network "
          "server replica cluster node worker process thread core machine deploy scale config policy "
          "schedule estimate predict measure simulate calibrate route serve stream answer question").split()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def prompts_for_round(round_tag: str, n: int) -> list[str]:
@@ -128,27 +122,14 @@ class Round:
 # Clients
 # ------------------------------------------------------------------------------------------------
 
-async def http_stream(client, system: str, path: str, prompt: str, tokens: int) -> Result:
+async def http_stream(app: AsyncAppClient, system: str, path: str, prompt: str, tokens: int) -> Result:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     rid, ttft, usage_tokens, events = None, None, None, 0
     try:
-        async with client.stream("POST", path, json=body) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")[:300]
-                return Result(system, None, None, 0, t0, time.perf_counter(), f"HTTP {r.status_code}: {text}")
-            sse = SseDecoder()
-            async for line in r.aiter_lines():
-                data = sse.line(line)
-                if data is None:
-                    continue
-                if data == DONE:
-                    break
-                obj = json.loads(data)
-                if "error" in obj and not obj.get("choices"):
-                    return Result(system, rid, ttft, usage_tokens or 0, t0, time.perf_counter(),
-                                  f"stream error: {str(obj['error'])[:300]}")
+        async with app.stream(path, body) as s:
+            async for obj in s:
                 rid = rid or obj.get("id")
                 if obj.get("choices"):
                     if ttft is None:
@@ -156,7 +137,7 @@ async def http_stream(client, system: str, path: str, prompt: str, tokens: int) 
                     events += 1
                 if obj.get("usage"):
                     usage_tokens = obj["usage"].get("completion_tokens")
-    except Exception as e:  # a failed request is reported, the round goes on
+    except Exception as e:  # a failed request is reported (an AppError names the status), the round goes on
         return Result(system, rid, ttft, usage_tokens or 0, t0, time.perf_counter(), f"{type(e).__name__}: {e}")
     if usage_tokens is None:
         return Result(system, rid, ttft, 0, t0, time.perf_counter(),
@@ -243,21 +224,15 @@ def deploy_raylm(model_path: str, timeout_s: float, direct: bool = False, prefil
         raise RuntimeError(f"deploying Ray Serve LLM failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
     deadline = time.monotonic() + timeout_s
     last = None
-    while time.monotonic() < deadline:  # bounded: a served completion, not just RUNNING
-        try:
-            req = urllib.request.Request(
-                f"{BASE_URL}{RAYLM_PREFIX}/v1/completions", method="POST",
-                data=json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 2}).encode(),
-                headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                if resp.status == 200:
-                    log(f"Ray Serve LLM ready: {resp.read()[:120]!r}")
-                    return
-        except urllib.error.HTTPError as e:
-            last = f"HTTP {e.code}: {e.read()[:200]!r}"
-        except OSError as e:
-            last = str(e)
-        time.sleep(3.0)
+    with AppClient(BASE_URL + RAYLM_PREFIX) as raylm:  # the same OpenAI API as ours
+        while time.monotonic() < deadline:  # bounded: a served completion, not just RUNNING
+            try:
+                answer = raylm.complete({"model": MODEL, "prompt": "hello", "max_tokens": 2})
+                log(f"Ray Serve LLM ready: {str(answer)[:120]}")
+                return
+            except AppError as e:
+                last = str(e)
+            time.sleep(3.0)
     raise TimeoutError(f"Ray Serve LLM did not serve within {timeout_s:.0f} s (last: {last})")
 
 
@@ -318,7 +293,7 @@ async def run_round(system: str, index: int, prompts: list[str], tokens: int, ct
         ids = [tok.encode(p) for p in prompts]  # outside the timed section
         coros = [engine_request(P, D, f"b{index}-{i}-{time.monotonic_ns()}", x, tokens) for i, x in enumerate(ids)]
     else:
-        path = "/v1/completions" if system.startswith("A") else f"{RAYLM_PREFIX}/v1/completions"
+        path = COMPLETIONS if system.startswith("A") else RAYLM_PREFIX + COMPLETIONS
         coros = [http_stream(ctx["http"], system, path, p, tokens) for p in prompts]
     t0 = time.perf_counter()
     results = await asyncio.wait_for(asyncio.gather(*coros), timeout_s)
@@ -341,7 +316,7 @@ async def short_burst(system: str, n: int, concurrency: int, ctx: dict, timeout_
             if system == "B":
                 P, D, tok = ctx["B"]
                 return await engine_request(P, D, f"bs-{i}-{time.monotonic_ns()}", tok.encode(prompt), 1)
-            path = "/v1/completions" if system.startswith("A") else f"{RAYLM_PREFIX}/v1/completions"
+            path = COMPLETIONS if system.startswith("A") else RAYLM_PREFIX + COMPLETIONS
             return await http_stream(ctx["http"], system, path, prompt, 1)
 
     t0 = time.perf_counter()
@@ -353,8 +328,6 @@ async def short_burst(system: str, n: int, concurrency: int, ctx: dict, timeout_
 
 
 async def bench(args, systems: list[str], labels: dict[str, str]) -> dict:
-    import httpx
-
     ctx: dict[str, Any] = {}
     engines = []
     out: dict[str, Any] = {"rounds": [], "hop": [], "sequential": [], "hop_sequential": [], "short": []}
@@ -377,10 +350,8 @@ async def bench(args, systems: list[str], labels: dict[str, str]) -> dict:
                 await asyncio.wait_for(e.start(), args.start_timeout)
                 log(f"B: {role.value} engine ready in {e.start_time_s:.1f} s")
             ctx["B"] = (engines[0], engines[1], engines[0].tokenizer)
-        conns = max(args.streams, args.short_concurrency) * 2
-        limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
-        ctx["http"] = httpx.AsyncClient(base_url=BASE_URL, timeout=httpx.Timeout(args.request_timeout),
-                                        limits=limits)
+        ctx["http"] = AsyncAppClient(BASE_URL, timeout_s=args.request_timeout,
+                                     max_connections=max(args.streams, args.short_concurrency) * 2)
         tail = RequestLogTail(args.request_log) if "A" in systems else None
 
         for w in range(args.warmup):  # unmeasured: first-use costs of every path
@@ -599,12 +570,7 @@ def main(argv=None) -> int:
              .replace("{short_concurrency}", str(args.short_concurrency)))
     print("\n" + table + "\n", flush=True)
     if args.json:
-        out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-               "command": " ".join([sys.executable, *sys.argv]), "started": started,
-               "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-               "summary": summary, "table": table, **data}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        write_result(args.json, {"args": vars(args), "started": started, "summary": summary, "table": table, **data})
         log(f"wrote {args.json}")
     return 0
 

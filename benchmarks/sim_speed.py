@@ -17,6 +17,8 @@ import statistics
 import subprocess
 import sys
 
+from disagg.bench.script import write_result
+
 CHILD = r"""
 import json, resource, sys, time
 from dataclasses import replace
@@ -68,8 +70,7 @@ def main() -> None:
     result["rss_ratio_10x_over_1x"] = result["peak_rss_mib_10x"] / result["peak_rss_mib_1x"]
     print(json.dumps(result, indent=2))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_result(args.json, result)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from disagg.bench.script import write_result
+
 CHILD = r"""
 import json, sys, time
 from disagg.core.cost_model import load_profile
@@ -81,8 +83,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_result(args.json, result)
 
 
 if __name__ == "__main__":

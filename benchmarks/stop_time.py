@@ -20,36 +20,33 @@ import json
 import os
 import statistics
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from disagg.files import write_json_atomic  # noqa: E402
-from serve_app.launch import (  # noqa: E402
-    FAST_PATH_ENV, LocalStack, engine_processes, runtime_dir, vllm_temp_files,
-)
+from disagg.app_client import COMPLETIONS, AppClient, AppError  # noqa: E402
+from disagg.bench.script import log, write_result  # noqa: E402
+from serve_app.launch import FAST_PATH_ENV, LocalStack, engine_processes, runtime_dir, vllm_temp_files  # noqa: E402
 
 WINDOW_VAR = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def one_round(requests: int) -> dict:
     before = vllm_temp_files()
     stack = LocalStack(ROOT / "deployments" / "local.yaml", log=lambda m: log(f"[stack] {m}"))
     with stack:
-        def ask(i: int) -> int:
-            with httpx.Client(base_url=stack.base_url, timeout=120) as c:
-                r = c.post("/v1/completions", json={"model": "tiny-qwen2", "prompt": "hello " * (5 + i % 50),
-                                                    "max_tokens": 64, "ignore_eos": True, "stream": True})
-                return r.status_code
+        def ask(i: int) -> int | None:
+            body = {"model": "tiny-qwen2", "prompt": "hello " * (5 + i % 50), "max_tokens": 64, "ignore_eos": True,
+                    "stream": True}
+            try:
+                with AppClient(stack.base_url, timeout_s=120) as app, app.stream(COMPLETIONS, body) as events:
+                    for _ in events:
+                        pass
+                return 200
+            except AppError as e:
+                return e.status
 
         with ThreadPoolExecutor(16) as pool:
             codes = list(pool.map(ask, range(requests)))
@@ -79,7 +76,7 @@ def main() -> int:
           + "; ranges " + ", ".join(f"{k} {min(r[k] for r in rounds if k in r):.1f}-"
                                     f"{max(r[k] for r in rounds if k in r):.1f}" for k in summary))
     if args.json:
-        write_json_atomic(Path(args.json), {"drain_window_s": float(window), "rounds": rounds, "medians": summary})
+        write_result(args.json, {"drain_window_s": float(window), "rounds": rounds, "medians": summary})
     return 0
 
 

@@ -36,10 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 RAYLM = "ray_serve_llm"
 
 
-def log(msg: str) -> None:
-    print(f"[table2] {msg}", file=sys.stderr, flush=True)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "deployments" / "local.yaml"))
@@ -61,15 +57,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
+    from serving_throughput import deploy_raylm
+
+    from disagg.app_client import AppClient
     from disagg.bench.harness import BenchConfig, BenchError, GateFailed, run_bench
-    from disagg.user_input import UsageError, parse_policies, resolve_trace
+    from disagg.bench.script import log
     from disagg.core.cost_model import load_profile
-    from serve_app.launch import LocalStack, ray_running
-    from serve_app.tiny_model import build_tiny_model
     from disagg.sim.traces import write_native
     from disagg.sim.workloads import generate
-    from live_miscalibration import set_cost_model
-    from serving_throughput import deploy_raylm
+    from disagg.user_input import UsageError, parse_policies, resolve_trace
+    from serve_app.launch import LocalStack, ray_running
+    from serve_app.tiny_model import build_tiny_model
 
     # every input is checked before anything starts
     try:
@@ -93,7 +91,8 @@ def main(argv=None) -> int:
     app = stack.apps[0][1]
     try:
         stack.start()
-        log(f"router constants: {set_cost_model(stack.base_url, args.cost_model)}")
+        with AppClient(stack.base_url) as router:
+            log(f"router constants: {router.set_cost_model(args.cost_model)}")
         # the same logical CPU reservation per engine as ours: three engines of 0.5 beside our app
         # do not fit on 2 CPUs, and Serve would wait for resources forever
         deploy_raylm(str(build_tiny_model()), args.start_timeout, prefill_replicas=app.prefill.num_replicas,

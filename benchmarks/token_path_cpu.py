@@ -33,21 +33,17 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from memory import cluster_pids, kind, ppid_map, ray_session  # noqa: E402  (benchmarks/memory.py)
-from disagg.files import write_json_atomic  # noqa: E402
+
+from disagg.app_client import COMPLETIONS, AppError, AsyncAppClient  # noqa: E402
+from disagg.bench.script import log, write_result  # noqa: E402
 from serve_app.launch import LocalStack  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 PARTS = ("routers", "ingress", "engines", "ray")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def part_of(k: str, comm: str) -> str:
@@ -87,28 +83,23 @@ async def stream_load(base_url: str, requests: int, concurrency: int, tokens: in
     sem = asyncio.Semaphore(concurrency)
     streamed, failed, events = 0, 0, 0
 
-    async def one(client: httpx.AsyncClient, i: int) -> None:
+    async def one(app: AsyncAppClient, i: int) -> None:
         nonlocal streamed, failed, events
         body = {"model": "tiny-qwen2", "prompt": f"{i} measure the token path " * 4, "max_tokens": tokens,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         async with sem:
             try:
-                async with client.stream("POST", "/v1/completions", json=body) as r:
-                    if r.status_code != 200:
-                        failed += 1
-                        return
-                    usage = None
-                    async for line in r.aiter_lines():
-                        events += line.startswith("data: {") and '"choices":[]' not in line  # tokens, not usage
-                        if '"usage"' in line and '"completion_tokens"' in line:
-                            usage = line
-                    streamed += tokens if usage else 0
-            except httpx.HTTPError:
+                usage = None
+                async with app.stream(COMPLETIONS, body) as s:
+                    async for event in s:
+                        events += bool(event.get("choices"))  # tokens, not usage
+                        usage = event.get("usage") or usage
+                streamed += tokens if usage and "completion_tokens" in usage else 0
+            except AppError:
                 failed += 1
 
-    async with httpx.AsyncClient(base_url=base_url, timeout=300, trust_env=False,
-                                 limits=httpx.Limits(max_connections=concurrency)) as client:
-        await asyncio.gather(*(one(client, i) for i in range(requests)))
+    async with AsyncAppClient(base_url, timeout_s=300, max_connections=concurrency) as app:
+        await asyncio.gather(*(one(app, i) for i in range(requests)))
     return streamed, failed, events
 
 
@@ -169,7 +160,7 @@ def main() -> int:
         print(f"{p:<10} {cell('idle_cores', '.3f'):>12} {cell('per_token_us', '.0f'):>16} "
               f"{cell('per_request_ms', '.2f'):>16}")
     if args.json:
-        write_json_atomic(Path(args.json), {"settings": vars(args), "rounds": rounds, "summary": summary})
+        write_result(args.json, {"settings": vars(args), "rounds": rounds, "summary": summary})
     return 0
 
 

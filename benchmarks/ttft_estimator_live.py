@@ -44,12 +44,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from disagg.bench.sse import DONE, SseDecoder  # noqa: E402
+from disagg.app_client import COMPLETIONS, ROUTE_HEADER, AppError, AsyncAppClient  # noqa: E402
+from disagg.bench.script import write_result  # noqa: E402
 from disagg.stats import percentile  # noqa: E402
 
 
@@ -59,28 +58,22 @@ def prompt_of(rng: random.Random, tokens: int) -> list[int]:
     return [rng.randrange(3, 2000) for _ in range(tokens)]
 
 
-async def one(client: httpx.AsyncClient, body: dict, headers: dict, timeout_s: float) -> dict:
+async def one(app: AsyncAppClient, body: dict, headers: dict, timeout_s: float) -> dict:
     t0 = time.perf_counter()
     out = {"client_ttft_s": None, "id": None, "status": None, "error": None}
     try:
         async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
-                out["status"] = r.status_code
-                if r.status_code != 200:
-                    out["error"] = (await r.aread()).decode()[:200]
-                    return out
-                out["route"] = r.headers.get("x-disagg-route")
-                sse = SseDecoder()
-                async for line in r.aiter_lines():
-                    data = sse.line(line)
-                    if data is None or data == DONE:
-                        continue
-                    chunk = json.loads(data)
+            async with app.stream(COMPLETIONS, body, headers) as s:
+                out["status"] = 200
+                out["route"] = s.headers.get(ROUTE_HEADER)
+                async for chunk in s:
                     out["id"] = out["id"] or chunk.get("id")
                     if out["client_ttft_s"] is None and chunk.get("choices"):
                         out["client_ttft_s"] = time.perf_counter() - t0
-    except (TimeoutError, httpx.HTTPError) as e:
+    except TimeoutError as e:
         out["error"] = f"{type(e).__name__}: {e}"
+    except AppError as e:
+        out["status"], out["error"] = e.status, e.message[:200]
     return out
 
 
@@ -94,15 +87,14 @@ async def drive(url: str, rate: float, n: int, args, seed: int) -> list[dict]:
         p = int(math.exp(rng.uniform(lo, hi)))
         limit = rng.choice(args.limits_ms)
         plan.append((t, p, limit))
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+    async with AsyncAppClient(url, timeout_s=args.timeout, max_connections=n) as app:
         start = time.perf_counter()
 
         async def at(t_send, p, limit):
             await asyncio.sleep(max(0.0, start + t_send - time.perf_counter()))
             body = {"model": "auto", "prompt": prompt_of(rng_prompts, p), "max_tokens": args.tokens,
                     "ignore_eos": True, "temperature": 0.0, "stream": True}
-            res = await one(client, body, {"X-TTFT-Limit-Ms": str(limit), "X-Route-Lambda": "0"}, args.timeout)
+            res = await one(app, body, {"X-TTFT-Limit-Ms": str(limit), "X-Route-Lambda": "0"}, args.timeout)
             return {**res, "limit_s": limit / 1e3, "prompt_words": p, "rate": rate}
 
         rng_prompts = random.Random(seed + 1)
@@ -122,11 +114,11 @@ async def lone_requests(url: str, n: int, args, seed: int) -> list[dict]:
     """`n` lone 64-token requests, one at a time after one unmeasured: the unloaded serving path."""
     rng = random.Random(seed)
     out = []
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.timeout)) as client:
+    async with AsyncAppClient(url, timeout_s=args.timeout, max_connections=1) as app:
         for i in range(n + 1):
             body = {"model": "auto", "prompt": prompt_of(rng, 64), "max_tokens": 2, "ignore_eos": True,
                     "temperature": 0.0, "stream": True}
-            res = await one(client, body, {"X-TTFT-Limit-Ms": "1000", "X-Route-Lambda": "0"}, args.timeout)
+            res = await one(app, body, {"X-TTFT-Limit-Ms": "1000", "X-Route-Lambda": "0"}, args.timeout)
             if i:  # the first one wakes an idle path up
                 out.append(res)
     return out
@@ -295,8 +287,7 @@ def main(argv=None) -> int:
     print()
     print(markdown_per_model(results))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_result(args.json, results)
     return 0
 
 

@@ -23,17 +23,16 @@ profile's loose TTFT target, as a router that only needs feasibility would call 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 
+from disagg.bench.script import write_result
 from disagg.core.cost_model import EngineConstants, load_profile
 from disagg.core.engine_model import EngineModel, Job
-from disagg.core.types import SloClass
 from disagg.core.ttft_estimator import InstanceSnapshot, QueuedRequest, RunningRequest, estimate_ttft, snapshot_of
+from disagg.core.types import SloClass
 from disagg.stats import percentile
-
 
 REACHED_RATE = {8: 1.8, 32: 5.4, 64: 7.0}  # arrivals/s that keep about N in flight on a40
 
@@ -129,8 +128,7 @@ def main() -> None:
         print(f"| {r['snapshots']} | {h} | {r['in_flight']} ({r['mean_in_flight']:.1f}) | {r['p50_us']:.1f} | "
               f"{r['p99_us']:.1f} | {r['mean_events']:.1f} | {r['max_events']} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        write_result(args.json, {"profile": args.profile, "calls": args.calls, "repeat": args.repeat, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -201,7 +201,7 @@ def _has(answer: dict, key: str) -> dict:
 
 
 class AppClient(_Calls):
-    """The app's API, blocking. A context manager (closes its connections)."""
+    """The app's API, blocking. A context manager (or `close()` it)."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 30.0) -> None:
         self.base_url = base_url.rstrip("/")
@@ -211,6 +211,9 @@ class AppClient(_Calls):
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
         self.http.close()
 
     def _call(self, method, path, *, read=_json, **request):
@@ -249,15 +252,16 @@ class AppClient(_Calls):
             try:
                 return self.health()
             except AppError as e:
-                if time.monotonic() + poll_s > deadline or not still_starting():
-                    raise AppError("GET", f"{self.base_url}/health", e.status,
-                                   f"not healthy within {timeout_s:g} s (last: {e.message})") from None
+                gone = not still_starting()
+                if gone or time.monotonic() + poll_s > deadline:
+                    why = "gave up: the server stopped starting" if gone else f"not healthy within {timeout_s:g} s"
+                    raise AppError("GET", e.url, e.status, f"{why} (last: {e.message})") from None
             time.sleep(poll_s)
 
 
 class AsyncAppClient(_Calls):
-    """The app's API for asyncio. An async context manager (closes its connections); `http` is the
-    pooled httpx client underneath (pass one to share its pool: it is then the caller's to close)."""
+    """The app's API for asyncio. An async context manager (or `aclose()` it); `http` is the pooled
+    httpx client underneath (pass one to share its pool: it is then the caller's to close)."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 30.0, max_connections: int = 16,
                  http: httpx.AsyncClient | None = None) -> None:
@@ -269,6 +273,9 @@ class AsyncAppClient(_Calls):
         return self
 
     async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
         if self._owned:
             await self.http.aclose()
 
