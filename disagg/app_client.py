@@ -101,7 +101,8 @@ def _json(r: httpx.Response) -> Any:
 
 class _Calls:
     """The calls, written once: `_call` returns the answer in `AppClient` and a coroutine of it in
-    `AsyncAppClient`; `read(response)` picks what the caller gets."""
+    `AsyncAppClient`; `read(response)` picks what the caller gets. Each call is bounded by the
+    client's timeout (`/health` by 10 s)."""
 
     base_url: str
 
@@ -143,6 +144,7 @@ class _Calls:
         return self._call("POST", "/admin/probe", json=body)
 
     def reset_prefix_cache(self):
+        """Every engine drops its cached prefixes, every router replica its index of them."""
         return self._call("POST", "/admin/reset_prefix_cache")
 
     def complete(self, body: dict, headers: dict | None = None):
@@ -173,7 +175,10 @@ class _Calls:
         for data in decoder.feed(chunk):
             if data == DONE:
                 return out, True
-            event = json.loads(data)
+            try:
+                event = json.loads(data)
+            except ValueError:
+                raise AppError("POST", self.base_url + path, 200, f"an event that is not JSON: {data[:120]!r}") from None
             if "error" in event and not event.get("choices"):
                 err = event["error"]
                 raise AppError("POST", self.base_url + path, 200,
