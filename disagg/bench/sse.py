@@ -1,9 +1,9 @@
 """Server-sent events (the OpenAI streaming format) → the data of each event. Pure: no HTTP.
 
-The one SSE parser of the project's clients: the load generator (`loadgen.send_one`), the
-benchmark scripts and the tests feed it what their HTTP library gives them — raw chunks
-(`SseDecoder.feed`) or lines (`SseDecoder.line`, `sse_data`) — so httpx, aiohttp or a test's
-recorded body all parse alike.
+The one SSE parser of the project's clients: the app's client (`disagg.app_client`, which the
+benchmark scripts use), the load generator (`loadgen.send_one`) and the tests feed it what their
+HTTP library gives them — raw chunks (`SseDecoder.feed`) or lines (`SseDecoder.line`, `sse_data`) —
+so httpx, aiohttp or a test's recorded body all parse alike.
 
 The rules kept from the SSE specification (WHATWG HTML, "event stream interpretation"):
 - lines end in LF or CRLF (a lone CR, which no OpenAI server sends, is not a line end here);
