@@ -28,10 +28,13 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from disagg.core.policies import PolicyError, build_policy
 from disagg.core.cost_model import CostModel, CostModelError, load_profile
+from disagg.core.model_routing import (
+    ModelRouter, build_model_router, known_model_routers, model_router_class, model_router_params,
+)
 from disagg.core.planner import PlannerConfig
 from disagg.core.types import Role, SloClass
 from disagg.core.utility import AccuracyTable, EvaluationError, ModelPrices
@@ -484,6 +487,26 @@ class MultiRouterConfig(RouterSettings):
                        "the prices); a request may override it with X-Route-Lambda")
     accuracy_table: str | None = Field(default=None, description="saved AccuracyTable JSON (`disagg` accuracy "
                                        "train); without it each model answers its accuracy_prior")
+    model_policy: str = Field(default="latency_aware", description="the model-level router of the alias route "
+                              f"(disagg.core.model_routing): one of {', '.join(known_model_routers())}")
+    model_policy_params: dict[str, Any] = Field(default_factory=dict, description="that router's parameters")
+
+    @field_validator("model_policy")
+    @classmethod
+    def _known_model_policy(cls, v: str) -> str:
+        model_router_class(v)  # ModelRouterError is a ValueError: reported on this field, with the known names
+        return v
+
+    @field_validator("model_policy_params")
+    @classmethod
+    def _model_policy_params(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "model_policy" in info.data:  # an unknown router is reported on model_policy alone
+            model_router_params(info.data["model_policy"], v)
+        return v
+
+    def model_router(self, accuracy: AccuracyTable) -> ModelRouter:
+        """The alias route's router at the configured λ, over `accuracy` (`MultiModelConfig.accuracy`)."""
+        return build_model_router(self.model_policy, self.lam, accuracy, self.model_policy_params)
 
 
 class MultiModelConfig(_Strict):

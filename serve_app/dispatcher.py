@@ -36,9 +36,10 @@ no retry or failure is counted (another engine would refuse it too; the instance
 The alias route (several models, a request naming the alias, `auto` by default) comes before
 step 1: every instance of every model is a candidate, each candidate's TTFT is estimated by
 simulating its batching forward from the snapshot the router keeps of it
-(`serve_app.instance_state`, which lists the approximations), and `route_by_latency` picks the
-instance maximising accuracy − λ·cost among those within the query's TTFT limit (the fastest when
-none is). Candidates are the engines a query starts on: a colocated model's engines, and a
+(`serve_app.instance_state`, which lists the approximations), and the configured model-level
+router (`router.model_policy`, disagg.core.model_routing) picks one: by default `latency_aware`,
+the instance maximising accuracy − λ·cost among those within the query's TTFT limit (the fastest
+when none is). Candidates are the engines a query starts on: a colocated model's engines, and a
 disaggregated model's prefill engines (its P/D policy then picks the decode engine; the estimate
 leaves out the KV transfer and the decode engine's first step).
 """
@@ -53,7 +54,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from disagg.core.ledger import Ledger, admission_work
-from disagg.core.latency_routing import ModelInstance, route_by_latency
+from disagg.core.latency_routing import ModelInstance
+from disagg.core.model_routing import LatencyAware, ModelRouter
 from disagg.core.policies import Colocated
 from disagg.core.planner import WindowCounter
 from disagg.core.predictor import BucketMeanPredictor
@@ -158,13 +160,16 @@ class Dispatcher:
 
     def __init__(self, registry: InstanceRegistry, ledger: Ledger, counters: Counters, log: RequestLog,
                  accuracy: AccuracyTable, prefill_retries: int, multi_model: bool, router_id: str = "",
-                 migration_limit: int = 1, metrics: RouterMetrics | None = None) -> None:
+                 migration_limit: int = 1, metrics: RouterMetrics | None = None,
+                 model_router: ModelRouter | None = None) -> None:
         self.registry = registry
         self.router_id = router_id  # this router replica: engines keep their ledger of our calls under it
         self.ledger = ledger
         self.counters = counters
         self.log = log
         self.accuracy = accuracy
+        # the alias route's model-level router (`router.model_policy`); one model: never asked
+        self.model_router = model_router or LatencyAware(0.0, accuracy)
         self.prefill_retries = prefill_retries
         self.migration_limit = migration_limit
         self.metrics = metrics  # the Prometheus series each finished request feeds (None: not exported)
@@ -260,8 +265,9 @@ class Dispatcher:
 
     def choose_model(self, prompts: dict[str, list[int]], max_tokens: int | None, ignore_eos: bool, slo: SloClass,
                      ttft_limit_s: float, lam: float) -> AliasChoice:
-        """Route the alias: pick the instance (and so the model) by accuracy − λ·cost within the TTFT limit.
-        `prompts`: each candidate model's rendered prompt."""
+        """Route the alias: the configured model-level router picks the instance (and so the model), at
+        the request's λ; the answer is explained as a `Choice`. `prompts`: each candidate model's
+        rendered prompt."""
         models = [self.registry.models[name] for name in prompts]
         p = max(len(ids) for ids in prompts.values())  # tokenizers may differ: price the longest
         room = min(m.cfg.model.max_model_len - len(prompts[m.name]) for m in models)
@@ -273,14 +279,17 @@ class Dispatcher:
                 c = self.registry.constants(m, inst)
                 snap = instance_snapshot(self._snapshot_facts(inst), c, prefill_only=inst.role is Role.PREFILL)
                 candidates.append((ModelInstance(inst.instance_id, m.name, c, m.prices), snap))
+        router = self.model_router if lam == self.model_router.lam else self.model_router.with_lambda(lam)
+        now = time.monotonic()
         t0 = time.perf_counter()
         try:
-            choice = route_by_latency(candidates, p, predicted, ttft_limit_s, lam, self.accuracy, time.monotonic())
+            routed = router.choose(candidates, p, predicted, ttft_limit_s, now)
+            choice = router.explain(routed, candidates, p, predicted, ttft_limit_s, now)
         except NoCapacity as e:
             raise _no_capacity(e) from None
         except (ValueError, TtftEstimateError) as e:  # a bug or an impossible snapshot: say so, do not guess
-            logger.exception("router: latency routing failed")
-            raise ApiError(f"latency routing failed: {e}", status=500, kind="internal_error") from None
+            logger.exception("router: model-level routing (%s) failed", router.name)
+            raise ApiError(f"{router.name} routing failed: {e}", status=500, kind="internal_error") from None
         return AliasChoice(choice, predicted, (time.perf_counter() - t0) * 1e6)
 
     async def _route_and_admit(self, f: Flight) -> None:

@@ -162,12 +162,14 @@ class Router:
             views, rc = mc.app_configs(), mc.router
             self.alias: str | None = rc.alias
             self.lam, accuracy = rc.lam, mc.accuracy()
+            model_router = rc.model_router(accuracy)  # the alias route's, `router.model_policy`
             prices = {m.model.served_name: m.prices.to_core() for m in mc.models}
         else:
             cfg = AppConfig.model_validate(config)
             views, rc = {cfg.model.served_name: cfg}, cfg.router
             pools = pools or {cfg.model.served_name: {Role.PREFILL.value: prefill, Role.DECODE.value: decode}}
             self.alias, self.lam, accuracy, prices = None, 0.0, AccuracyTable(), {}
+            model_router = None
         self.access = Access.from_settings(rc)  # before anything starts: an unset key variable stops us here
         self.default_slo = rc.default_slo
         self.max_body_bytes = rc.max_body_bytes
@@ -182,7 +184,7 @@ class Router:
         self.dispatcher = Dispatcher(self.registry, self.ledger, self.counters, RequestLog(rc.request_log),
                                      accuracy, rc.prefill_retries, multi_model=bool(self.alias),
                                      router_id=self.router_id, migration_limit=rc.migration_limit,
-                                     metrics=self.metrics)
+                                     metrics=self.metrics, model_router=model_router)
         self.flights = self.dispatcher.flights  # the requests in flight, for inspection
         self.admin = Admin(self.served, self.registry, self.ledger, self.counters, self.alias, self.lam,
                            replica_index=rank, cost_model_files=CostModelFiles.from_settings(rc))

@@ -18,8 +18,9 @@ every candidate with the three estimators of the core —
 — and returns `choose_instance`'s `Choice`, which carries every candidate's terms.
 
 Who calls, when, what holds:
-- the simulator's `latency_aware` router (disagg.sim) and the live multi-model router, once per
-  query, with every candidate instance's constants and the snapshot it keeps of that instance;
+- the `latency_aware` model-level router (disagg.core.model_routing), which the fleet simulator
+  and the live router's alias route run, once per query, with every candidate instance's
+  constants and the snapshot the caller keeps of that instance;
 - pure: no I/O, no clock reads (`now` comes in), never mutates its arguments;
 - deterministic: the same inputs give the same Choice (ties go to the first instance).
 

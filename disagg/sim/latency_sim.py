@@ -2,15 +2,10 @@
 
 The fleet is a list of colocated instances (each `EngineModel` does a query's prefill and its
 decode), each serving one model with its own calibrated constants and prices. Every query is
-routed by one of three routers, all called with the same inputs (the router's snapshot of every
-instance, the query, λ, the accuracy table, `now`):
-
-- `latency_aware`: `disagg.core.latency_routing.route_by_latency` — accuracy − λ·cost subject to
-  the query's TTFT limit, TTFT estimated by simulating each instance's batching; the paper's router;
-- `accuracy_cost`: RouteLLM-style — the model maximising accuracy − λ·cost, load ignored, then
-  the instance of that model with the fewest requests in flight (ties: fleet order);
-- `load_balance`: accuracy ignored — the instance with the smallest estimated TTFT (the same
-  estimator; ties: fleet order). At equal latency knowledge, the best a load balancer can do.
+routed by one of the core's model-level routers (`disagg.core.model_routing`: `latency_aware`,
+`accuracy_cost`, `load_balance`, built by name with λ and the accuracy table), the very objects
+the live router's alias route runs, called with the same inputs (the router's snapshot of every
+instance, the query, `now`).
 
 What the router knows (`RouterSnapshots`): a live router polls each engine every
 `poll_interval_s` (50 ms by default, as the P/D router), and adds the queries it has sent there
@@ -32,115 +27,26 @@ Deterministic: the same trace, fleet, router and predictor give the same records
 from __future__ import annotations
 
 import heapq
-import math
-from time import perf_counter
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Protocol, Sequence
+from time import perf_counter
+from typing import Callable, Sequence
 
 from disagg.core.cost_model import EngineConstants
 from disagg.core.engine_model import EngineModel, Job
-from disagg.core.latency_routing import ModelInstance, can_ever_hold, route_by_latency
+from disagg.core.latency_routing import ModelInstance
+from disagg.core.model_routing import ModelRouter
 from disagg.core.predictor import BucketMeanPredictor, OutputLengthPredictor
-from disagg.core.ttft_estimator import InstanceSnapshot, QueuedRequest, RunningRequest, estimate_ttft
+from disagg.core.ttft_estimator import (
+    InstanceSnapshot,
+    QueuedRequest,
+    RunningRequest,
+    estimate_ttft,
+)
 from disagg.core.types import NoCapacity, SloClass
-from disagg.core.utility import AccuracyTable, ModelPrices, cost_estimate
+from disagg.core.utility import ModelPrices
 from disagg.sim.traces import TraceRequest
 
 _STEP, _ARRIVAL = 0, 1  # at equal times, finish work before admitting more
-
-
-# --- the routers ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Routed:
-    """A router's answer: the index of the chosen instance, and its TTFT estimate if the router made one."""
-
-    index: int
-    estimated_ttft_s: float | None = None
-    feasible: bool | None = None  # latency_aware: did the chosen instance meet the limit (by estimate)?
-
-
-class FleetRouter(Protocol):
-    """Picks one instance for one query. Pure, deterministic; raises NoCapacity when no instance can hold it."""
-
-    name: ClassVar[str]
-
-    def choose(self, fleet: Sequence[tuple[ModelInstance, InstanceSnapshot]], prompt_tokens: int,
-               predicted_output_tokens: float, ttft_limit_s: float, now: float) -> Routed: ...
-
-
-class LatencyAware:
-    """`latency_aware`: route_by_latency (accuracy − λ·cost under the TTFT limit)."""
-
-    name: ClassVar[str] = "latency_aware"
-
-    def __init__(self, lam: float, accuracy: AccuracyTable) -> None:
-        self.lam, self.accuracy = lam, accuracy
-
-    def choose(self, fleet, prompt_tokens, predicted_output_tokens, ttft_limit_s, now) -> Routed:
-        c = route_by_latency(fleet, prompt_tokens, predicted_output_tokens, ttft_limit_s, self.lam,
-                             self.accuracy, now)
-        return Routed(c.index, c.chosen.ttft_s, c.feasible)
-
-
-class AccuracyCost:
-    """`accuracy_cost`: the best model by accuracy − λ·cost ignoring load, then its least-loaded instance."""
-
-    name: ClassVar[str] = "accuracy_cost"
-
-    def __init__(self, lam: float, accuracy: AccuracyTable) -> None:
-        self.lam, self.accuracy = lam, accuracy
-
-    def choose(self, fleet, prompt_tokens, predicted_output_tokens, ttft_limit_s, now) -> Routed:
-        best_model, best_u = None, -math.inf
-        for inst, _ in fleet:  # fleet order: the first model listed wins ties
-            if not can_ever_hold(inst.constants, prompt_tokens):
-                continue
-            u = (self.accuracy.predict(inst.model, prompt_tokens)
-                 - self.lam * cost_estimate(inst.prices, prompt_tokens, predicted_output_tokens))
-            if u > best_u:
-                best_model, best_u = inst.model, u
-        if best_model is None:
-            raise NoCapacity(f"a prompt of {prompt_tokens} tokens fits no instance's KV cache")
-        pool = [(snap.in_flight, i) for i, (inst, snap) in enumerate(fleet)
-                if inst.model == best_model and can_ever_hold(inst.constants, prompt_tokens)]
-        return Routed(min(pool)[1])
-
-
-class LoadBalance:
-    """`load_balance`: the smallest estimated TTFT over all instances, accuracy and cost ignored.
-
-    Exact minimum with little work: each instance is simulated only up to the best TTFT so far
-    (a censored estimate is slower than the best)."""
-
-    name: ClassVar[str] = "load_balance"
-
-    def choose(self, fleet, prompt_tokens, predicted_output_tokens, ttft_limit_s, now) -> Routed:
-        best, best_t = -1, math.inf
-        for i, (inst, snap) in enumerate(fleet):
-            if not can_ever_hold(inst.constants, prompt_tokens):
-                continue
-            horizon = None if best < 0 else best_t
-            t = estimate_ttft(inst.constants, snap, prompt_tokens, now, horizon_s=horizon).ttft_s
-            if t < best_t:
-                best, best_t = i, t
-        if best < 0:
-            raise NoCapacity(f"a prompt of {prompt_tokens} tokens fits no instance's KV cache")
-        return Routed(best, best_t, best_t <= ttft_limit_s)
-
-
-ROUTERS = ("latency_aware", "accuracy_cost", "load_balance")
-
-
-def build_router(name: str, lam: float, accuracy: AccuracyTable) -> FleetRouter:
-    if name == LatencyAware.name:
-        return LatencyAware(lam, accuracy)
-    if name == AccuracyCost.name:
-        return AccuracyCost(lam, accuracy)
-    if name == LoadBalance.name:
-        return LoadBalance()
-    raise ValueError(f"unknown fleet router {name!r}; known: {', '.join(ROUTERS)}")
 
 
 # --- what the router knows of each engine --------------------------------------------------------
@@ -284,7 +190,7 @@ class _Flight:
 def simulate_fleet(
     trace: Sequence[TraceRequest],
     fleet: Sequence[ModelInstance],
-    router: FleetRouter,
+    router: ModelRouter,
     ttft_limit_s: Callable[[TraceRequest], float],
     *,
     predictor: OutputLengthPredictor | None = None,
@@ -418,7 +324,5 @@ def parse_fleet(text: str) -> list[tuple[str, int]]:
     return out
 
 
-__all__ = ["AccuracyCost", "FleetResult", "FleetRouter", "LatencyAware", "LoadBalance", "QueryRecord", "ROUTERS",
-           "RouterSnapshots", "Routed", "build_router", "make_fleet", "naive_remaining_output", "parse_fleet",
-           "poll_snapshot", "remaining_output",
-           "scaled_constants", "simulate_fleet"]
+__all__ = ["FleetResult", "QueryRecord", "RouterSnapshots", "make_fleet", "naive_remaining_output", "parse_fleet",
+           "poll_snapshot", "remaining_output", "scaled_constants", "simulate_fleet"]

@@ -1,4 +1,6 @@
-"""`disagg study latency-routing`: accuracy − λ·cost vs TTFT attainment over λ, three routers, one fleet.
+"""`disagg study latency-routing`: accuracy − λ·cost vs TTFT attainment over λ, one fleet, every
+model-level router of the core's registry (disagg.core.model_routing: latency_aware, accuracy_cost,
+load_balance).
 
 The setting (every choice is a flag; `--rate` has no default, the README reports 10 req/s):
 - fleet: colocated instances of two models on A40-class GPUs, `small:2,large:2`. `small` has the
@@ -46,12 +48,11 @@ from typing import Sequence
 
 from disagg.core.cost_model import CostModel, load_profile
 from disagg.core.latency_routing import ModelInstance
+from disagg.core.model_routing import build_model_router, known_model_routers
 from disagg.core.utility import AccuracyTable, EvaluationError, ModelPrices, cost_estimate
 from disagg.files import SHARED, json_safe, write_figure, write_json_atomic, write_text_atomic
 from disagg.sim.latency_sim import (
-    ROUTERS,
     FleetResult,
-    build_router,
     make_fleet,
     naive_remaining_output,
     parse_fleet,
@@ -156,18 +157,19 @@ def run_study(trace: Sequence[TraceRequest], cm: CostModel, *, fleet_spec: str, 
     for seed in seeds:
         queries = seed_slice(trace, max_requests, seed, rate, tight_share)
         table = accuracy or AccuracyTable().train(synthetic_evaluations(EVALUATION_ROWS_PER_MODEL, seed))
-        lb = simulate_fleet(queries, fleet, build_router("load_balance", 0.0, table), limit)
+        lb = simulate_fleet(queries, fleet, build_model_router("load_balance", 0.0, table), limit)
         for lam in lambdas:
-            runs.append(figures(lb, fleet, "load_balance", lam, seed))
-            for name in ("latency_aware", "accuracy_cost"):
-                res = simulate_fleet(queries, fleet, build_router(name, lam, table), limit)
-                runs.append(figures(res, fleet, name, lam, seed))
+            runs.append(figures(lb, fleet, "load_balance", lam, seed))  # λ-blind: one run serves every λ
+            for name in known_model_routers():
+                if name != "load_balance":
+                    res = simulate_fleet(queries, fleet, build_model_router(name, lam, table), limit)
+                    runs.append(figures(res, fleet, name, lam, seed))
         for label, poll, rem, truth in (
                 ("50 ms poll (as deployed)", 0.05, remaining_output, False),
                 ("exact engine state", None, remaining_output, False),
                 ("exact engine state, true output lengths", None, naive_remaining_output, True),
                 ("50 ms poll, naive remaining output", 0.05, naive_remaining_output, False)):
-            res = simulate_fleet(queries, fleet, build_router("latency_aware", est_lam, table), limit,
+            res = simulate_fleet(queries, fleet, build_model_router("latency_aware", est_lam, table), limit,
                                  poll_interval_s=poll, remaining=rem, true_outputs=truth)
             f = figures(res, fleet, "latency_aware", est_lam, seed)
             estimator.append({"snapshot": label, "seed": seed, "lam": est_lam, "mape": f.mape,
@@ -191,7 +193,7 @@ def summary_rows(result: dict) -> list[dict]:
     """One row per (λ, router): the median over seeds of each figure, with min–max for the two main ones."""
     rows = []
     for lam in result["lambdas"]:
-        for router in ROUTERS:
+        for router in known_model_routers():
             rs = [r for r in result["runs"] if r["router"] == router and r["lam"] == lam]
             row = {"lam": lam, "router": router}
             lb = {r["seed"]: r["utility"] for r in result["runs"] if r["router"] == "load_balance" and r["lam"] == lam}
@@ -251,18 +253,18 @@ def plot(result: dict, path: Path) -> None:
     rows = summary_rows(result)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     colors = {"latency_aware": "tab:blue", "accuracy_cost": "tab:orange", "load_balance": "tab:gray"}
-    for router in ROUTERS:
+    for router in known_model_routers():
         rs = [r for r in rows if r["router"] == router]
         x, y, lam = [r["attainment"] for r in rs], [r["utility"] for r in rs], [r["lam"] for r in rs]
-        axes[0].plot(x, y, "o-", color=colors[router], label=router)
+        axes[0].plot(x, y, "o-", color=colors.get(router), label=router)
         if router != "load_balance":  # its points differ only by λ; labels would pile up
             for xi, yi, li in zip(x, y, lam):
                 axes[0].annotate(f"λ={li:g}", (xi, yi), fontsize=7, xytext=(-28 if router == "latency_aware" else 3, 3),
                                  textcoords="offset points")
         for ax, key in ((axes[1], "utility_vs_lb"), (axes[2], "attainment")):
-            ax.plot(lam, [r[key] for r in rs], "o-", color=colors[router], label=router)
+            ax.plot(lam, [r[key] for r in rs], "o-", color=colors.get(router), label=router)
             ax.fill_between(lam, [r[key + "_min"] for r in rs], [r[key + "_max"] for r in rs],
-                            color=colors[router], alpha=0.15)
+                            color=colors.get(router), alpha=0.15)
     axes[0].set(xlabel="TTFT attainment (share of queries within their limit)",
                 ylabel="utility = accuracy − λ·cost", title="utility vs TTFT attainment, over λ")
     axes[1].set(xlabel="λ (accuracy per $)", ylabel="utility − load_balance's utility",

@@ -3,8 +3,10 @@ instance snapshots (pure pieces; the live test is test_multi_model_live.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import yaml
 
 from disagg.core.cost_model import load_profile
 from disagg.core.ttft_estimator import InstanceSnapshot, QueuedRequest, RunningRequest, estimate_ttft
+from disagg.core.types import SloClass
 from serve_app.config import AppConfig, ConfigError, MultiModelConfig, load_serve_config, parse_args
 from serve_app.instance_state import FlightFacts, instance_snapshot
 
@@ -89,11 +92,24 @@ def _dup_name(a):
     (lambda a: a["models"][1].pop("colocated"), "models.1.prefill"),
     (lambda a: a.update(models=[]), "models"),
     (lambda a: a["router"].update(policy="marginal_cost"), "router.policy"),
+    (lambda a: a["router"].update(model_policy="fastest"), "router.model_policy"),
+    (lambda a: a["router"].update(model_policy_params={"horizon": 1.0}), "router.model_policy_params"),
 ])
 def test_bad_multi_model_configs_are_refused_naming_the_field(mutate, needle):
     with pytest.raises(ConfigError) as e:
         parse_args(_mutate_multi(mutate), prefix=("args",))
     assert needle in str(e.value), str(e.value)
+
+
+def test_the_model_policy_is_checked_at_load_and_builds_the_alias_routes_router():
+    with pytest.raises(ConfigError) as e:
+        parse_args(_mutate_multi(lambda a: a["router"].update(model_policy="fastest")), prefix=("args",))
+    assert "field 'args.router.model_policy'" in str(e.value)
+    assert "unknown model-level router 'fastest'; known: latency_aware, accuracy_cost, load_balance" in str(e.value)
+    assert parse_args(multi_args()).router.model_policy == "latency_aware"  # the default: the paper's router
+    cfg = parse_args(_mutate_multi(lambda a: a["router"].update(model_policy="load_balance", lam=3.0)))
+    router = cfg.router.model_router(cfg.accuracy())
+    assert (router.name, router.lam) == ("load_balance", 3.0)
 
 
 def test_multi_model_errors_name_file_and_line(tmp_path):
@@ -213,3 +229,82 @@ def test_routing_headers_are_positive_or_non_negative_finite_numbers(raw, positi
     else:
         assert _header_number(_request({name: raw}), name, minimum_exclusive=positive) == expected
     assert _header_number(_request({}), name, minimum_exclusive=positive) is None
+
+
+# --- the alias route's model-level router, in-process --------------------------------------------
+
+# local-multi.yaml: tiny-qwen2 is fast, cheap, prior 0.55; small-qwen2 slower, dearer, prior 0.75. Idle,
+# a 1,500-token prompt's estimated first token comes after ~17 ms on tiny and ~91 ms on small.
+LONG_IDS = [5] * 1500
+
+
+def _streaming_pool(ids: list[str]):
+    from factories import StandInPool
+
+    from serve_app.messages import DecodeChunk
+
+    class Pool(StandInPool):
+        def decode_stream(self, call, replica):
+            async def chunks():
+                n = call.params.max_tokens
+                for i in range(n):
+                    yield DecodeChunk((7,), "a", "length" if i == n - 1 else None, replica=replica if i == 0 else None,
+                                      engine_first_token_s=0.001 if i == 0 else None)
+            return chunks()
+    return Pool("both", ids)
+
+
+async def _multi_router(**router):
+    from factories import in_process_router
+
+    args = _mutate_multi(lambda a: a["router"].update(request_log=None, **router))
+    pools = {"tiny-qwen2": {"both": _streaming_pool(["t1"])}, "small-qwen2": {"both": _streaming_pool(["s1"])}}
+    return await in_process_router(None, None, args, pools)
+
+
+@pytest.mark.parametrize("policy, limit_s, lam, model", [
+    ("latency_aware", 0.5, 0.0, "small-qwen2"),  # both meet the limit: the accurate one
+    ("latency_aware", 0.04, 0.0, "tiny-qwen2"),  # only the fast one meets it
+    ("latency_aware", 0.5, 1e9, "tiny-qwen2"),  # λ: the cheap one
+    ("accuracy_cost", 0.04, 0.0, "small-qwen2"),  # the limit ignored
+    ("accuracy_cost", 0.5, 1e9, "tiny-qwen2"),
+    ("load_balance", 0.5, 0.0, "tiny-qwen2"),  # the fastest, accuracy ignored
+])
+def test_the_alias_route_runs_the_configured_model_policy_at_the_requests_lambda(policy, limit_s, lam, model):
+    pytest.importorskip("ray.serve")
+
+    async def run():
+        r = await _multi_router(model_policy=policy)
+        assert (r.dispatcher.model_router.name, r.dispatcher.model_router.lam) == (policy, 0.0)
+        pick = r.dispatcher.choose_model({"tiny-qwen2": LONG_IDS, "small-qwen2": LONG_IDS}, 4, True,
+                                         SloClass.LOOSE, limit_s, lam)
+        assert r.dispatcher.model_router.lam == 0.0  # the request's λ did not stick
+        return pick
+    pick = asyncio.run(run())
+    c = pick.choice
+    assert c.model == model and (c.lam, c.ttft_limit_s, len(c.terms)) == (lam, limit_s, 2)
+    assert math.isfinite(c.chosen.ttft_s) and c.feasible == (c.chosen.ttft_s <= limit_s)
+    assert pick.predicted == 4  # ignore_eos: exactly max_tokens
+
+
+def test_a_baseline_model_policy_explains_its_route_in_the_header():
+    pytest.importorskip("ray.serve")
+    from starlette.requests import Request
+
+    async def run():
+        r = await _multi_router(model_policy="accuracy_cost")
+        raw = json.dumps({"model": "auto", "prompt": LONG_IDS, "max_tokens": 3, "ignore_eos": True}).encode()
+
+        async def receive():
+            return {"type": "http.request", "body": raw, "more_body": False}
+        req = Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                       "headers": [(b"content-type", b"application/json"), (b"x-ttft-limit-ms", b"40")]}, receive)
+        return await r._handle(req, chat=False)
+    resp = asyncio.run(run())
+    body = json.loads(resp.body)
+    assert resp.status_code == 200, body
+    route = dict(p.split("=", 1) for p in resp.headers["x-disagg-route"].split("; "))
+    # the accurate model although it misses the 40 ms limit, and the header says so
+    assert body["model"] == "small-qwen2" and route["model"] == "small-qwen2" and route["feasible"] == "0"
+    assert route["candidates"] == "2" and route["served_decode"] == route["instance"] == "small-qwen2:both-s1"
+    assert float(route["ttft"]) > 0.04

@@ -1,4 +1,5 @@
-"""The multi-model fleet simulator and its three routers, on small generated workloads.
+"""The multi-model fleet simulator with every model-level router of the core's registry, on small
+generated workloads (the routers' own unit tests: tests/core/test_model_routing.py).
 
 Fleet: the a40 profile's engine as `small`, the same engine with every step-time term ×2.5 as
 `large` (disagg.sim.latency_study.fleet_models). Accuracy from priors only (large 0.8, small 0.6),
@@ -11,15 +12,12 @@ import pytest
 
 from disagg.core.cost_model import load_profile
 from disagg.core.engine_model import EngineModel, Job
-from disagg.core.ttft_estimator import InstanceSnapshot, estimate_ttft, snapshot_of
+from disagg.core.model_routing import build_model_router, known_model_routers
+from disagg.core.ttft_estimator import snapshot_of
 from disagg.core.types import SloClass
 from disagg.core.utility import AccuracyTable
 from disagg.sim.latency_sim import (
-    ROUTERS,
-    AccuracyCost,
-    LoadBalance,
     RouterSnapshots,
-    build_router,
     make_fleet,
     naive_remaining_output,
     parse_fleet,
@@ -54,11 +52,11 @@ def attainment(records) -> float:
 # --- the routers in the simulator ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("router", known_model_routers())
 def test_same_inputs_same_records_and_every_query_is_recorded_once(router):
     trace = workload(150, 8.0)
-    a = simulate_fleet(trace, fleet(), build_router(router, 100.0, ACC), limit)
-    b = simulate_fleet(trace, fleet(), build_router(router, 100.0, ACC), limit)
+    a = simulate_fleet(trace, fleet(), build_model_router(router, 100.0, ACC), limit)
+    b = simulate_fleet(trace, fleet(), build_model_router(router, 100.0, ACC), limit)
     assert a.records == b.records
     assert [r.request_id for r in a.records] == [f"r{i}" for i in range(len(trace))]
     assert all(r.ttft_s is not None and r.ttft_s > 0 and r.estimated_ttft_s is not None for r in a.records)
@@ -68,8 +66,8 @@ def test_same_inputs_same_records_and_every_query_is_recorded_once(router):
 def test_under_load_latency_aware_meets_far_more_ttft_limits_than_accuracy_cost():
     # 12 req/s is beyond what the large instance alone sustains; the fleet as a whole copes
     trace = workload(300, 12.0)
-    la = simulate_fleet(trace, fleet(), build_router("latency_aware", 0.0, ACC), limit)
-    ac = simulate_fleet(trace, fleet(), build_router("accuracy_cost", 0.0, ACC), limit)
+    la = simulate_fleet(trace, fleet(), build_model_router("latency_aware", 0.0, ACC), limit)
+    ac = simulate_fleet(trace, fleet(), build_model_router("accuracy_cost", 0.0, ACC), limit)
     assert ac.queries_per_instance == {"small-0": 0, "large-0": 300}  # it ignores load
     assert 0 < la.queries_per_instance["small-0"] < 300  # spills to the fast model, not all of it
     assert attainment(la.records) >= 0.85
@@ -78,8 +76,8 @@ def test_under_load_latency_aware_meets_far_more_ttft_limits_than_accuracy_cost(
 
 def test_at_light_load_latency_aware_follows_accuracy_and_load_balance_follows_speed():
     trace = workload(200, 1.0)
-    la = simulate_fleet(trace, fleet(), build_router("latency_aware", 0.0, ACC), limit)
-    lb = simulate_fleet(trace, fleet(), build_router("load_balance", 0.0, ACC), limit)
+    la = simulate_fleet(trace, fleet(), build_model_router("latency_aware", 0.0, ACC), limit)
+    lb = simulate_fleet(trace, fleet(), build_model_router("load_balance", 0.0, ACC), limit)
     assert la.queries_per_instance["large-0"] >= 0.9 * len(trace)
     assert lb.queries_per_instance["small-0"] >= 0.9 * len(trace)
     assert attainment(la.records) >= 0.95 and attainment(lb.records) >= 0.95
@@ -88,33 +86,16 @@ def test_at_light_load_latency_aware_follows_accuracy_and_load_balance_follows_s
 def test_a_large_lambda_sends_everything_to_the_cheap_model():
     trace = workload(100, 2.0)
     for router in ("latency_aware", "accuracy_cost"):
-        res = simulate_fleet(trace, fleet(), build_router(router, 1e5, ACC), limit)
+        res = simulate_fleet(trace, fleet(), build_model_router(router, 1e5, ACC), limit)
         assert res.queries_per_instance["large-0"] == 0, router
 
 
 def test_latency_aware_estimate_is_exact_with_exact_state_and_true_outputs_on_an_idle_fleet():
     # queries far apart: each finds the fleet idle, so the estimate has nothing to get wrong
     trace = [TraceRequest(10.0 * i, 100 + 50 * i, 20, SloClass.LOOSE) for i in range(5)]
-    res = simulate_fleet(trace, fleet(), build_router("latency_aware", 0.0, ACC), limit, poll_interval_s=None)
+    res = simulate_fleet(trace, fleet(), build_model_router("latency_aware", 0.0, ACC), limit, poll_interval_s=None)
     for r in res.records:
         assert r.estimated_ttft_s == pytest.approx(r.ttft_s, abs=1e-9)
-
-
-def test_accuracy_cost_takes_the_least_loaded_instance_of_its_model():
-    f = fleet("small:1,large:2")
-    busy = InstanceSnapshot(waiting=snapshot_of(_engine_with(3)).waiting)
-    routed = AccuracyCost(0.0, ACC).choose([(f[0], InstanceSnapshot()), (f[1], busy), (f[2], InstanceSnapshot())],
-                                           200, 50, 0.5, 0.0)
-    assert routed.index == 2
-
-
-def test_load_balance_returns_the_exact_smallest_estimate():
-    f = fleet("small:2,large:1")
-    snaps = [snapshot_of(_engine_with(4)), InstanceSnapshot(), InstanceSnapshot()]
-    routed = LoadBalance().choose(list(zip(f, snaps)), 300, 50, 0.5, 0.0)
-    full = [estimate_ttft(m.constants, s, 300).ttft_s for m, s in zip(f, snaps)]
-    assert routed.index == full.index(min(full)) == 1
-    assert routed.estimated_ttft_s == min(full)
 
 
 # --- what the router knows -----------------------------------------------------------------------
@@ -169,15 +150,14 @@ def test_bad_fleets_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="unknown model 'medium'"):
         make_fleet([("medium", 1)], fleet_models(CM, 2.5))
     with pytest.raises(ValueError, match="unique"):
-        simulate_fleet(workload(3, 1.0), fleet() + fleet(), build_router("load_balance", 0.0, ACC), limit)
-    with pytest.raises(ValueError, match="unknown fleet router"):
-        build_router("fastest", 0.0, ACC)
-
+        simulate_fleet(workload(3, 1.0), fleet() + fleet(), build_model_router("load_balance", 0.0, ACC), limit)
+    with pytest.raises(ValueError, match="unknown model-level router 'fastest'"):
+        build_model_router("fastest", 0.0, ACC)
 
 
 def test_true_outputs_tell_the_router_each_querys_real_output_length():
     trace = workload(60, 4.0)
-    res = simulate_fleet(trace, fleet(), build_router("latency_aware", 0.0, ACC), limit, true_outputs=True)
+    res = simulate_fleet(trace, fleet(), build_model_router("latency_aware", 0.0, ACC), limit, true_outputs=True)
     assert all(r.predicted_output_tokens == r.output_tokens for r in res.records)
-    res = simulate_fleet(trace, fleet(), build_router("latency_aware", 0.0, ACC), limit)
+    res = simulate_fleet(trace, fleet(), build_model_router("latency_aware", 0.0, ACC), limit)
     assert any(r.predicted_output_tokens != r.output_tokens for r in res.records)

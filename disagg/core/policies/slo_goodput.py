@@ -7,9 +7,28 @@ import math
 
 from pydantic import Field
 
-from disagg.core.cost_model import CostModel, EngineConstants, attention_pairs
-from disagg.core.policies.base import PairTransfers, Params, Policy, feasible, fits, register
-from disagg.core.types import CostTerms, Decision, InstanceView, NoCapacity, RequestFeatures, Role
+from disagg.core.cost_model import (
+    CostModel,
+    EngineConstants,
+    SloTarget,
+    attention_pairs,
+)
+from disagg.core.policies.base import (
+    PairTransfers,
+    Params,
+    Policy,
+    feasible,
+    fits,
+    register,
+)
+from disagg.core.types import (
+    CostTerms,
+    Decision,
+    InstanceView,
+    NoCapacity,
+    RequestFeatures,
+    Role,
+)
 
 
 class SloGoodputParams(Params):
@@ -51,6 +70,15 @@ def _cached_tokens(v: InstanceView, req: RequestFeatures) -> int:
     blocks = v.cached_prefix_blocks(req.prefix_hashes)
     block = req.prefix_block_tokens
     return min(blocks, (req.prompt_tokens - 1) // block) * block if blocks else 0
+
+
+# A placement as the `_best_*` methods price it: (cost, order, prefill instance, decode instance,
+# prefill queue s, prefill work s, transfer s, first decode step s, TPOT s, KV pressure at the
+# request's peak) — a plain tuple, built in the pricing loops, where a NamedTuple costs ten times as
+# much. `order` places it in one fixed sequence — decode instance i's pairs at 2i, its colocated
+# prefill at 2i + 1, hosted placements after them all (inf) — and of two equal costs the earlier one
+# wins, whichever method prices it first.
+_Priced = tuple[float, float, InstanceView, InstanceView, float, float, float, float, float, float]
 
 
 @register
@@ -186,63 +214,80 @@ class SloGoodput(Policy):
         return min(v.backlog_s, max(0.0, self._colocated_ends.get(v.instance_id, now) - now))
 
     def choose(self, req, prefill, decode, now):
-        prm, cm = self.params, self.cost_model
-        spread, w = prm.latency_error, prm.work_weight
-        target = cm.target(req.slo_class)
-        ttft_t, tpot_t, tpot_others = target.ttft_s, target.tpot_s, self._tpot_floor_s
-        prompt, hashes = req.prompt_tokens, req.prefix_hashes
-        out = max(1, req.predicted_output_tokens)
-        overhead = cm.serving_overhead_s
+        prm, cm, prompt = self.params, self.cost_model, req.prompt_tokens
         decode_ok = feasible(decode, req, "decode")
         prefill_ok = [v for v in prefill if fits(v, prompt)]
         if not prefill_ok and not prm.allow_colocated:
             feasible(prefill, req, "prefill")  # raises the precise reason
             raise NoCapacity("no prefill candidate fits and colocated prefill is disabled")
+        out, target = max(1, req.predicted_output_tokens), cm.target(req.slo_class)
+        ends = self._prefill_ends(prefill_ok, req, now)
+        sites = self._decode_sites(decode_ok, req, now)
+        # each kind's cheapest replaces the cheapest so far only if it costs less (or as much and comes
+        # first: `_Priced`), and the cost to beat lets the next kind skip its hopeless candidates early
+        best = self._best_pair(req, out, target, ends, sites, now, None)
+        if prm.allow_colocated:
+            best = self._best_colocated(req, out, target, sites, best)
+        if prm.allow_hosted:
+            best = self._best_hosted(req, out, target, ends, now, best)
 
-        # prefill side: a pair depends on its prefill instance through the prefill's end and the TPOT
-        # misses that prefill adds to the decodes hosted there (its stall); so without per-pair transfer
-        # constants only the earliest end is worth pairing, and any later one that stalls less
-        all_ends = ends = self._prefill_ends(prefill_ok, req, now)
+        # best is set: decode_ok is not empty, and either colocation is allowed or a prefill fits
+        _, _, p, d, q, work, xfer, first, tpot, press = best
+        if p is d and p.role is not Role.PREFILL:
+            self._colocated_ends[d.instance_id] = now + q + work
+        else:
+            self._add_prefill(p.instance_id, work, now)
+            overpriced = cm.for_instance(p.instance_id).prefill_s(prompt) - work
+            if overpriced > 0.0:
+                heapq.heappush(self._overpriced.setdefault(p.instance_id, []), (now + q + work, overpriced))
+        return Decision(
+            p.instance_id, d.instance_id, self.name,
+            CostTerms(backlog_s=q, own_work_s=work, pressure=p.pressure_after(prompt)),
+            CostTerms(backlog_s=first, own_work_s=out * tpot, pressure=press, transfer_s=xfer),
+        )
+
+    # The `_best_*` methods price every decode instance on every decision (43 of them at 64 instances),
+    # so they are kept to float arithmetic: the cost model's step times come from a memo per batch
+    # size, Φ (`_miss`) is written out, what only a winner needs (KV pressure, the running sequences'
+    # misses before) is computed once a candidate may win, and a candidate is priced in full only if it
+    # can still win — its last term, w·latency/target, is a lower bound of its cost (every other term
+    # is ≥ 0), so one whose last term exceeds the best cost so far, of any kind, is skipped. Same
+    # expressions in the same order as the straightforward form, so the same floats and the same
+    # choice (tests/core/test_decision_speed.py checks it against that form).
+
+    def _best_pair(self, req: RequestFeatures, out: int, target: SloTarget, ends: list[tuple], sites: list[tuple],
+                   now: float, best: _Priced | None) -> _Priced | None:
+        """The cheapest disaggregated placement — prefill on an instance of `ends` (`_prefill_ends`),
+        KV transfer, decode on an instance of `sites` (`_decode_sites`) — if it beats `best`, else `best`."""
+        if not ends:
+            return best
+        prm, cm = self.params, self.cost_model
+        spread, w, overhead = prm.latency_error, prm.work_weight, cm.serving_overhead_s
+        prompt, ttft_t, tpot_t, tpot_others = req.prompt_tokens, target.ttft_s, target.tpot_s, self._tpot_floor_s
+
+        # a pair depends on its prefill instance through the prefill's end and the TPOT misses that
+        # prefill adds to the decodes hosted there (its stall); so without per-pair transfer constants
+        # only the earliest end is worth pairing, and any later one that stalls less
         stalls = [self._stall(p, work, out, now, spread) if p.hosted else 0.0 for _, _, work, p in ends]
-        if ends and not cm.pairs:
-            order = sorted(range(len(ends)), key=lambda j: ends[j][0])
+        if not cm.pairs:
+            by_end = sorted(range(len(ends)), key=lambda j: ends[j][0])
             keep, low = [], math.inf
-            for j in order:
+            for j in by_end:
                 if stalls[j] < low:
                     keep.append(j)
                     low = stalls[j]
             ends, stalls = [ends[j] for j in keep], [stalls[j] for j in keep]
 
-        # This loop prices every decode instance on every decision (43 of them at 64 instances), so it
-        # is kept to float arithmetic: the cost model's step times come from a memo per batch size,
-        # Φ (`_miss`) is written out, and a candidate is priced in full only if it can still win — its
-        # last term, w·latency/target, is a lower bound of its cost (every other term is ≥ 0), so one
-        # whose last term exceeds the best cost so far is skipped. Same expressions in the same order
-        # as the straightforward form, so the same floats and the same choice
-        # (tests/core/test_decision_speed.py checks it against that form).
         erfc, k = math.erfc, _INV_SQRT2
-        colocated_ends, allow_colocated = self._colocated_ends, prm.allow_colocated
-        same_engine, transfer = not cm.instances, cm.transfer
+        transfer = cm.transfer
         xfer_whole = transfer.transfer_s(prompt)
         pair_rows = [self._pair_transfers.row(p.instance_id) for _, _, _, p in ends]
-        ec, memo = cm.engine, self._steps.setdefault(None, {})
-        best, best_cost, bar = None, math.inf, math.inf  # bar: the best cost + a rounding margin
-        for d in decode_ok:
+        best_cost = math.inf if best is None else best[0]
+        bar = best_cost + _COST_ROUNDING
+        for i, d, _, b, steps, pending, held in sites:
             did = d.instance_id
-            if not same_engine:
-                ec, memo = cm.for_instance(did), self._steps.setdefault(did, {})
-            b = d.queued
-            steps = memo.get(b)
-            if steps is None:
-                steps = memo[b] = _step_times(ec, b)
             tau_b, tau_after, step, step_beside_chunk = steps
-            # colocated prefill still to run on d (`_colocated_queue_s`)
-            pending = min(d.backlog_s, max(0.0, colocated_ends.get(did, now) - now))
-            held = _cached_tokens(d, req) if hashes else 0
-            # KV at the request's peak: its prompt and output, and the running sequences' growth
-            # meanwhile (half an output each on average: they are midway through theirs)
-            press = d.pressure_after(prompt + out + b * out // 2)
-            ok_kv = None  # and `before`: computed once a candidate on d may win
+            ok_kv = None  # and `press`, `before`: computed once a candidate on d may win
             for (end, q, work, p), pair_row, stall in zip(ends, pair_rows, stalls):
                 if p.instance_id == did:  # `cm.transfer_s`, by instance ids
                     xfer = 0.0
@@ -262,90 +307,127 @@ class SloGoodput(Policy):
                 if 1.0 - meets_ttft + load > bar:  # 1 − meet ≥ 1 − meets_ttft
                     continue
                 if ok_kv is None:
+                    # KV at the request's peak: its prompt and output, and the running sequences' growth
+                    # meanwhile (half an output each on average: they are midway through theirs)
+                    press = d.pressure_after(prompt + out + b * out // 2)
                     ok_kv = 1.0 - 0.5 * erfc((1.0 - press) / spread * k)
                     before = 0.5 * erfc((1.0 - (tau_b + pending / out) / tpot_others) / spread * k) if b else 0.0
                 tpot = tau_after + max(0.0, pending - arrive) / out
                 after = 0.5 * erfc((1.0 - (tau_after + pending / out) / tpot_others) / spread * k) if b else 0.0
                 meet = meets_ttft * (1.0 - 0.5 * erfc((1.0 - tpot / tpot_t) / spread * k)) * ok_kv
                 cost = 1.0 - meet + b * (after - before) + load
-                if cost < best_cost or best is None:
-                    best, best_cost, bar = (p, d, q, work, xfer, first, tpot, press), cost, cost + _COST_ROUNDING
-            if allow_colocated:
-                uncached = prompt - held
-                chunk = max(1, ec.max_batched_tokens - b)
-                # beside b decoding sequences, each step prefills (budget − b) tokens and costs them their step
-                work = (ec.prefill_overhead_s + -(-uncached // chunk) * (ec.step_base_s + ec.decode_seq_s * b)
-                        + ec.prefill_token_s * uncached + ec.prefill_attention_s * attention_pairs(uncached, held))
-                ttft = pending + work + overhead
-                # its time is taken from d and from each of the b sequences waiting for it
-                load = w * (ttft + (1 + b) * work) / ttft_t
-                if load > bar:
-                    continue
-                meets_ttft = 1.0 - 0.5 * erfc((1.0 - ttft / ttft_t) / spread * k)
-                if 1.0 - meets_ttft + load > bar:  # 2 − meet − ok_kv ≥ 1 − meets_ttft
-                    continue
-                if ok_kv is None:
-                    ok_kv = 1.0 - 0.5 * erfc((1.0 - press) / spread * k)
-                    before = 0.5 * erfc((1.0 - (tau_b + pending / out) / tpot_others) / spread * k) if b else 0.0
-                after = 0.5 * erfc((1.0 - (tau_after + (pending + work) / out) / tpot_others) / spread * k) if b else 0.0
-                meet = meets_ttft * (1.0 - 0.5 * erfc((1.0 - tau_after / tpot_t) / spread * k)) * ok_kv
-                # if d's KV overflows it preempts a running sequence (it takes blocks chunk by chunk, where
-                # a transferred prompt waits for all of them): one more miss
-                cost = 2.0 - meet - ok_kv + b * (after - before) + load
-                if cost < best_cost or best is None:
-                    best, best_cost, bar = (d, d, pending, work, 0.0, 0.0, tau_after, press), cost, cost + _COST_ROUNDING
+                if cost < best_cost or best is None or cost == best_cost and 2 * i < best[1]:
+                    best = (cost, 2 * i, p, d, q, work, xfer, first, tpot, press)
+                    best_cost, bar = cost, cost + _COST_ROUNDING
+        return best
 
-        if prm.allow_hosted:
-            # a prefill instance serving the request whole: no transfer, and its KV holds the decode
-            for end, q, work, p in all_ends:
-                if p.role is not Role.PREFILL:  # a decode instance listed as a prefill one: colocation above
-                    continue
-                pid = p.instance_id
-                ec = cm.engine if same_engine else cm.for_instance(pid)
-                memo = self._steps.setdefault(None if same_engine else pid, {})
-                h = p.hosted
-                steps = memo.get(h)
-                if steps is None:
-                    steps = memo[h] = _step_times(ec, h)
-                tau_h, tau_after = steps[0], steps[1]
-                ttft = end + overhead  # its last prefill chunk gives the first token
-                # its time is taken from the h decodes hosted there (its prefill), and from p's prefills
-                # (its decode: ô steps, each longer by one sequence's cost)
-                load = w * (ttft + h * work + out * ec.decode_seq_s) / ttft_t
-                if load > bar:
-                    continue
-                meets_ttft = 1.0 - 0.5 * erfc((1.0 - ttft / ttft_t) / spread * k)
-                if 1.0 - meets_ttft + load > bar:
-                    continue
-                # its decode gets the engine's time the prefills leave: τ/(1 − utilization) per token
-                share = 1.0 - self._utilization(pid, now)
-                tpot = tau_after / share
-                press = p.pressure_after(prompt + out + h * out // 2)
-                ok_kv = 1.0 - 0.5 * erfc((1.0 - press) / spread * k)
-                harm = 0.0
-                if h:
-                    before = 0.5 * erfc((1.0 - tau_h / share / tpot_others) / spread * k)
-                    after = 0.5 * erfc((1.0 - (tpot + work / out) / tpot_others) / spread * k)
-                    harm = h * (after - before)
-                meet = meets_ttft * (1.0 - 0.5 * erfc((1.0 - tpot / tpot_t) / spread * k)) * ok_kv
-                cost = 2.0 - meet - ok_kv + harm + load  # overflowing, it preempts a running sequence
-                if cost < best_cost or best is None:
-                    best, best_cost, bar = (p, p, q, work, 0.0, 0.0, tpot, press), cost, cost + _COST_ROUNDING
+    def _best_colocated(self, req: RequestFeatures, out: int, target: SloTarget, sites: list[tuple],
+                        best: _Priced | None) -> _Priced | None:
+        """The cheapest colocated placement — an instance of `sites` (`_decode_sites`) prefilling the
+        request beside its decodes, then decoding it — if it beats `best`, else `best`."""
+        prm, cm = self.params, self.cost_model
+        spread, w, overhead = prm.latency_error, prm.work_weight, cm.serving_overhead_s
+        prompt, ttft_t, tpot_t, tpot_others = req.prompt_tokens, target.ttft_s, target.tpot_s, self._tpot_floor_s
+        erfc, k = math.erfc, _INV_SQRT2
+        best_cost = math.inf if best is None else best[0]
+        bar = best_cost + _COST_ROUNDING
+        for i, d, ec, b, steps, pending, held in sites:
+            uncached = prompt - held
+            chunk = max(1, ec.max_batched_tokens - b)
+            # beside b decoding sequences, each step prefills (budget − b) tokens and costs them their step
+            work = (ec.prefill_overhead_s + -(-uncached // chunk) * (ec.step_base_s + ec.decode_seq_s * b)
+                    + ec.prefill_token_s * uncached + ec.prefill_attention_s * attention_pairs(uncached, held))
+            ttft = pending + work + overhead
+            # its time is taken from d and from each of the b sequences waiting for it
+            load = w * (ttft + (1 + b) * work) / ttft_t
+            if load > bar:
+                continue
+            meets_ttft = 1.0 - 0.5 * erfc((1.0 - ttft / ttft_t) / spread * k)
+            if 1.0 - meets_ttft + load > bar:  # 2 − meet − ok_kv ≥ 1 − meets_ttft
+                continue
+            tau_b, tau_after = steps[0], steps[1]
+            press = d.pressure_after(prompt + out + b * out // 2)  # as for a pair
+            ok_kv = 1.0 - 0.5 * erfc((1.0 - press) / spread * k)
+            before = 0.5 * erfc((1.0 - (tau_b + pending / out) / tpot_others) / spread * k) if b else 0.0
+            after = 0.5 * erfc((1.0 - (tau_after + (pending + work) / out) / tpot_others) / spread * k) if b else 0.0
+            meet = meets_ttft * (1.0 - 0.5 * erfc((1.0 - tau_after / tpot_t) / spread * k)) * ok_kv
+            # if d's KV overflows it preempts a running sequence (it takes blocks chunk by chunk, where
+            # a transferred prompt waits for all of them): one more miss
+            cost = 2.0 - meet - ok_kv + b * (after - before) + load
+            if cost < best_cost or best is None or cost == best_cost and 2 * i + 1 < best[1]:
+                best = (cost, 2 * i + 1, d, d, pending, work, 0.0, 0.0, tau_after, press)
+                best_cost, bar = cost, cost + _COST_ROUNDING
+        return best
 
-        # best is set: decode_ok is not empty, and either colocation is allowed or a prefill fits
-        p, d, q, work, xfer, first, tpot, press = best
-        if p is d and p.role is not Role.PREFILL:
-            self._colocated_ends[d.instance_id] = now + q + work
-        else:
-            self._add_prefill(p.instance_id, work, now)
-            overpriced = cm.for_instance(p.instance_id).prefill_s(prompt) - work
-            if overpriced > 0.0:
-                heapq.heappush(self._overpriced.setdefault(p.instance_id, []), (now + q + work, overpriced))
-        return Decision(
-            p.instance_id, d.instance_id, self.name,
-            CostTerms(backlog_s=q, own_work_s=work, pressure=p.pressure_after(prompt)),
-            CostTerms(backlog_s=first, own_work_s=out * tpot, pressure=press, transfer_s=xfer),
-        )
+    def _best_hosted(self, req: RequestFeatures, out: int, target: SloTarget, ends: list[tuple], now: float,
+                     best: _Priced | None) -> _Priced | None:
+        """The cheapest hosted placement — a prefill instance of `ends` (`_prefill_ends`) serving the
+        request whole: no transfer, and its KV holds the decode — if it beats `best`, else `best`."""
+        prm, cm = self.params, self.cost_model
+        spread, w, overhead = prm.latency_error, prm.work_weight, cm.serving_overhead_s
+        prompt, ttft_t, tpot_t, tpot_others = req.prompt_tokens, target.ttft_s, target.tpot_s, self._tpot_floor_s
+        erfc, k = math.erfc, _INV_SQRT2
+        same_engine = not cm.instances
+        best_cost = math.inf if best is None else best[0]
+        bar = best_cost + _COST_ROUNDING
+        for end, q, work, p in ends:
+            if p.role is not Role.PREFILL:  # a decode instance listed as a prefill one: `_best_colocated`
+                continue
+            pid = p.instance_id
+            ec = cm.engine if same_engine else cm.for_instance(pid)
+            memo = self._steps.setdefault(None if same_engine else pid, {})
+            h = p.hosted
+            steps = memo.get(h)
+            if steps is None:
+                steps = memo[h] = _step_times(ec, h)
+            tau_h, tau_after = steps[0], steps[1]
+            ttft = end + overhead  # its last prefill chunk gives the first token
+            # its time is taken from the h decodes hosted there (its prefill), and from p's prefills
+            # (its decode: ô steps, each longer by one sequence's cost)
+            load = w * (ttft + h * work + out * ec.decode_seq_s) / ttft_t
+            if load > bar:
+                continue
+            meets_ttft = 1.0 - 0.5 * erfc((1.0 - ttft / ttft_t) / spread * k)
+            if 1.0 - meets_ttft + load > bar:
+                continue
+            # its decode gets the engine's time the prefills leave: τ/(1 − utilization) per token
+            share = 1.0 - self._utilization(pid, now)
+            tpot = tau_after / share
+            press = p.pressure_after(prompt + out + h * out // 2)
+            ok_kv = 1.0 - 0.5 * erfc((1.0 - press) / spread * k)
+            harm = 0.0
+            if h:
+                before = 0.5 * erfc((1.0 - tau_h / share / tpot_others) / spread * k)
+                after = 0.5 * erfc((1.0 - (tpot + work / out) / tpot_others) / spread * k)
+                harm = h * (after - before)
+            meet = meets_ttft * (1.0 - 0.5 * erfc((1.0 - tpot / tpot_t) / spread * k)) * ok_kv
+            cost = 2.0 - meet - ok_kv + harm + load  # overflowing, it preempts a running sequence
+            if cost < best_cost or best is None:  # hosted placements come last: a tie keeps `best`
+                best = (cost, math.inf, p, p, q, work, 0.0, 0.0, tpot, press)
+                best_cost, bar = cost, cost + _COST_ROUNDING
+        return best
+
+    def _decode_sites(self, pool: list[InstanceView], req: RequestFeatures, now: float) -> list[tuple]:
+        """What pricing a placement on each decode candidate starts from, shared by its pairs and its
+        colocated prefill: (its position in `pool`, the instance, its engine constants, b = its running
+        sequences, `_step_times` for b, the colocated prefill still to run there, the prompt tokens it
+        holds cached)."""
+        cm, hashes = self.cost_model, req.prefix_hashes
+        colocated_ends, same_engine = self._colocated_ends, not cm.instances
+        ec, memo = cm.engine, self._steps.setdefault(None, {})
+        sites = []
+        for i, d in enumerate(pool):
+            did = d.instance_id
+            if not same_engine:
+                ec, memo = cm.for_instance(did), self._steps.setdefault(did, {})
+            b = d.queued
+            steps = memo.get(b)
+            if steps is None:
+                steps = memo[b] = _step_times(ec, b)
+            pending = min(d.backlog_s, max(0.0, colocated_ends.get(did, now) - now))  # `_colocated_queue_s`
+            held = _cached_tokens(d, req) if hashes else 0
+            sites.append((i, d, ec, b, steps, pending, held))
+        return sites
 
     def _stall(self, p: InstanceView, work: float, out: int, now: float, spread: float) -> float:
         """The TPOT misses a prefill of `work` seconds on `p` adds to the decodes `p` hosts: each gets
