@@ -153,6 +153,10 @@ class EngineConfig(_Strict):
                                          "to this, so the token path's message rate stays flat")
     stream_interval_s: float = Field(default=0.02, ge=0.0, le=1.0, description="after the first token, stream "
                                      "tokens in batches at most this often (0 = every token alone)")
+    push_interval_s: float = Field(default=0.005, ge=0.0, le=1.0, description="an engine pushes its state to the "
+                                   "routers at most this often (a burst of changes makes one report)")
+    state_age_bound_s: float = Field(default=0.02, gt=0.0, description="a call decided on engine state older "
+                                     "than this is counted in the engine's stale_decisions")
     kv_transfer: KvTransferSettings = Field(default_factory=KvTransferSettings)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra vLLM AsyncEngineArgs fields")
     access_log: bool = Field(default=False, description="Serve's access-log line for every call an engine "
@@ -256,7 +260,8 @@ def load_cost_model(source: str | dict) -> CostModel:
 class RouterSettings(_Strict):
     """What every router deployment takes, serving one model or several."""
 
-    poll_interval_s: float = Field(default=0.05, gt=0, le=10, description="engine state poll period")
+    poll_interval_s: float = Field(default=5.0, gt=0, le=60, description="liveness poll period: finds new engine "
+                                   "replicas and checks the state streams (the state itself is pushed)")
     default_slo: SloClass = SloClass.LOOSE
     request_log: str | None = Field(default=None, description="JSON-lines file, one record per request")
     num_cpus: float = Field(default=0.1, ge=0)

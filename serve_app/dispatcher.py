@@ -107,6 +107,12 @@ def _bad_request(refused: InvalidRequest, f: Flight) -> ApiError:
     return ApiError(f"{param}: {refused.message}" if param else refused.message, param=param, kind="BadRequestError")
 
 
+def _decided_on(f: Flight, instance_id: str) -> tuple[int, float]:
+    """(the version of the instance's state the flight was routed on, when): 0 for an instance its
+    decision did not pick (a retry elsewhere), whose state age is then not measured."""
+    return f.state_seen.get(instance_id, 0), f.decided_at
+
+
 def _detached(step) -> asyncio.Task:
     """A task outside the current request's context: Serve cancels every call made in a request's
     context when the request is cancelled, and these calls must outlive it."""
@@ -308,7 +314,7 @@ class Dispatcher:
                                     prefix_block_tokens=index.block_tokens)
         else:
             feats = RequestFeatures(f.rid, p, output_tokens, f.slo)
-        t0 = time.perf_counter()
+        t0, f.decided_at = time.perf_counter(), time.time()
         decode_views = self.registry.views(m, m.decode_role)
         if f.choice is not None and m.start_role is Role.PREFILL:  # the alias chose the prefill engine
             prefill_views = [v for v in self.registry.views(m, Role.PREFILL) if v.instance_id == f.choice.instance_id]
@@ -330,6 +336,7 @@ class Dispatcher:
             raise _no_capacity(e) from None
         f.decision_us = (time.perf_counter() - t0) * 1e6
         f.decision, f.t_arrival = decision, t_arrival
+        f.state_seen = self.registry.versions(decision.prefill_id, decision.decode_id)
         if index is not None:
             self._note_prefix(f, index, prefill_views + decode_views)
         pw, dw = admission_work(m.cost_model, decision.prefill_id, decision.decode_id, p, output_tokens,
@@ -377,7 +384,8 @@ class Dispatcher:
             if inst is None:
                 break
             tried.append(target)
-            call = PrefillCall(f"{f.rid}-p{attempt}", f.prompt_ids, f.params, self.router_id, f.work_s[0])
+            call = PrefillCall(f"{f.rid}-p{attempt}", f.prompt_ids, f.params, self.router_id, f.work_s[0],
+                               *_decided_on(f, target))
             try:
                 reply: PrefillReply = await self._prefill_call(f, inst, call)
             except asyncio.CancelledError:
@@ -460,7 +468,7 @@ class Dispatcher:
             # as the ledger's prefill view does: the decode runs beside its prefills, not ahead of them
             work_s = f.work_s[0] if inst.role is Role.PREFILL else f.work_s[1]
             call = GenerateCall(f"{f.rid}-d{n}", f.prompt_ids, self._sample_params(f, 0), kv if n == 0 else None,
-                                self.router_id, work_s)
+                                self.router_id, work_s, *_decided_on(f, target))
             try:
                 f.stream, f.first_delta = await self._open(f, inst, call)
             except (asyncio.CancelledError, ApiError):
@@ -525,8 +533,10 @@ class Dispatcher:
             self.ledger.finish(f.rid)  # its work moves to the new instance
             self.ledger.admit(f.rid, inst.instance_id, inst.instance_id, pw, dw, len(prompt))
             f.work_s = (pw, dw)
+            f.state_seen, f.decided_at = self.registry.versions(inst.instance_id), time.time()
             call = GenerateCall(f"{f.rid}-m{len(f.migrated_from)}", prompt,
-                                continuation_params(f.params, f.generated), None, self.router_id, dw)
+                                continuation_params(f.params, f.generated), None, self.router_id, dw,
+                                *_decided_on(f, inst.instance_id))
             try:
                 f.stream, first = await self._open(f, inst, call)
             except (asyncio.CancelledError, ApiError):

@@ -190,6 +190,7 @@ class _StatsRecorder:
     """
 
     def __init__(self) -> None:
+        self.on_step: Callable[[], None] | None = None  # told of every step (the state push's poke)
         self.running = 0
         self.waiting = 0
         self.kv_usage = 0.0
@@ -213,6 +214,8 @@ class _StatsRecorder:
             self.xfer_ok += len(data.get("transfer_duration", ()))
             self.xfer_failed += sum(len(data.get(k, ())) for k in (
                 "num_failed_transfers", "num_failed_handshakes", "num_failed_notifications"))
+        if self.on_step is not None:
+            self.on_step()
 
 
 def _stat_logger_factory(recorder: _StatsRecorder) -> Callable[..., Any]:
@@ -511,6 +514,10 @@ class VllmEngine:
         await self._engine.notify_kv_transfer_request_rejected(request_id, dict(kv_transfer_params))
 
     # -- signals and maintenance -------------------------------------------------------------
+
+    def on_step(self, callback: Callable[[], None]) -> None:
+        """Call `callback` after every engine step that produced outputs (on the event loop)."""
+        self._stats.on_step = callback
 
     async def state(self) -> EngineState:
         """Latest load signals; no I/O (values as of the engine's last step with outputs).

@@ -7,7 +7,9 @@ Called by the router deployment through the pool's handle with `replica=<this re
   router's OpenAI layer serves; pulls the KV over NIXL when `kv_transfer_params` is given,
   prefills locally when it is None (colocated, or the fallback after a failed prefill);
 - `decode(call)`: the same as text chunks, for tools that drive engines without the OpenAI layer;
-- `state()`: load signals, polled by the router every `poll_interval_s`;
+- `watch(router)`: a stream of load reports, one each time a routing signal moves
+  (`serve_app.state_push`), which each router keeps open; `state()`: the current report, for the
+  router's slow liveness poll;
 - `abort(request_id)`, `release_kv(request_id, kv_transfer_params)` (free a prefill's KV that will
   never be pulled), `reset_prefix_cache()`: control plane;
 - `probe(call)`: one calibration measurement on this very engine (`disagg calibrate --live`).
@@ -51,9 +53,11 @@ from serve_app.messages import (
 )
 from serve_app.ports import claim_port
 from serve_app.probes import first_output_s, median_step_s, random_prompt
+from serve_app.state_push import StatePublisher
 from serve_app.tiny_model import resolve_model
 
 logger = logging.getLogger("ray.serve")
+KV_STEPS = 64  # KV use is pushed when it moves by 1/64 of the cache (at least a block)
 
 
 def engine_spec(cfg: AppConfig, role: Role, side_channel_host: str, port: int) -> EngineSpec:
@@ -245,6 +249,7 @@ class EngineServer:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.admitted = AdmittedWork()  # what each router has sent here and not seen end: routers read it
         self.planned_width: int | None = None  # this pool's width as the router's planner last set it
+        self.publisher: StatePublisher | None = None  # from the end of the warm-up on
         self.port = claim_port(host, cfg.engine.side_channel_ports)
         self.engine = VllmEngine(engine_spec(cfg, self.role, host, self.port.port))
         try:
@@ -256,9 +261,26 @@ class EngineServer:
             kill_engine_children()  # an engine stuck in start-up never reaches the handover
             self.port.release()
             raise
+        s = await self.engine.state()
+        self.publisher = StatePublisher(self._report, cfg.engine.push_interval_s,
+                                        max(s.block_size, s.kv_capacity_tokens // KV_STEPS),
+                                        cfg.engine.state_age_bound_s)
+        self.engine.on_step(self.publisher.poke)
+
+    def _admit(self, call: PrefillCall | GenerateCall | DecodeCall) -> None:
+        """Hold the call in this engine's ledger, and measure how old the state it was decided on was."""
+        self.admitted.add(call.router, call.work_s)
+        if self.publisher is not None:
+            self.publisher.age_at_decision(call.state_seq, call.decided_at)
+            self.publisher.poke()
+
+    def _release(self, call: PrefillCall | GenerateCall | DecodeCall) -> None:
+        self.admitted.remove(call.router, call.work_s)
+        if self.publisher is not None:
+            self.publisher.poke()
 
     async def prefill(self, call: PrefillCall, replica: str | None = None) -> PrefillReply:
-        self.admitted.add(call.router, call.work_s)
+        self._admit(call)
         try:
             r = await self.engine.prefill(call.request_id, call.prompt_token_ids, call.sampling)
         except (InvalidRequest, RequestAborted):
@@ -266,7 +288,7 @@ class EngineServer:
         except Exception as e:
             raise _with_cause(e) from e
         finally:
-            self.admitted.remove(call.router, call.work_s)
+            self._release(call)
         return PrefillReply(kv_transfer_params=r.kv_transfer_params, first_token_id=r.first_token_id,
                             engine_ttft_s=r.engine_ttft_s, replica=self.replica_id, cached_tokens=r.cached_tokens,
                             prompt_logprobs=r.prompt_logprobs)
@@ -300,7 +322,7 @@ class EngineServer:
         the call)`: the first names who served it and the engine-side time to the first token. The
         call is held in this engine's ledger until the stream ends."""
         t0, first = time.perf_counter(), True
-        self.admitted.add(call.router, call.work_s)
+        self._admit(call)
         self.streams += 1
         try:
             async for batch in coalesce(stream, self._stream_interval_s):
@@ -312,7 +334,7 @@ class EngineServer:
             raise _with_cause(e) from e
         finally:
             self.streams -= 1
-            self.admitted.remove(call.router, call.work_s)
+            self._release(call)
 
     def _stream_interval_s(self) -> float:
         """The batching interval of this engine's streams: `stream_interval_s` up to
@@ -329,6 +351,22 @@ class EngineServer:
         await self.engine.release_kv(request_id, kv_transfer_params)
 
     async def state(self) -> EngineStateReport:
+        """The current report (a new version if a routing signal moved since the last one)."""
+        if self.publisher is None:
+            return await self._report()
+        return await self.publisher.publish()
+
+    async def watch(self, router: str = "", replica: str | None = None) -> AsyncIterator[EngineStateReport]:
+        """This engine's state, pushed: every version from the current one on (see `state_push`)."""
+        assert self.publisher is not None  # set before __init__ returns, and Serve routes nothing here before
+        async for r in self.publisher.watch():
+            yield r
+
+    def decision_ages(self) -> list[float]:
+        """How old the state behind each call since the previous read was (seconds; benchmarks)."""
+        return self.publisher.take_ages() if self.publisher is not None else []
+
+    async def _report(self) -> EngineStateReport:
         s = await self.engine.state()
         return EngineStateReport(
             replica=self.replica_id, role=self.role, running=s.running, waiting=s.waiting,
@@ -374,5 +412,7 @@ class EngineServer:
         await asyncio.wait_for(self.engine.state(), timeout=5.0)
 
     async def __del__(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
         await self.engine.shutdown()
         self.port.release()

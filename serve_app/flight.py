@@ -39,6 +39,8 @@ class Flight:
     lam: float | None = None  # the alias route's λ
     prefilled: bool = False
     decision: Decision | None = None
+    state_seen: dict[str, int] = field(default_factory=dict)  # instance id → the state version decided on
+    decided_at: float = 0.0  # wall clock of the decision (the engines measure how old that state was)
     predicted: int | None = None  # predicted output tokens
     decision_us: float | None = None
     alias_us: float | None = None

@@ -7,7 +7,8 @@ keyword (`pinned_router` reads it):
   OpenAI layer serves; the first one names the replica that serves it;
 - `decode(DecodeCall)`, a stream of `DecodeChunk`s: the same with the seam's sampling dict and
   text records, for the tools that drive engines without the OpenAI layer (warm-up, benchmarks);
-- `state() -> EngineStateReport`, polled by the router's `InstanceRegistry`;
+- `watch()`, a stream of `EngineStateReport`s, one per change (`serve_app.state_push`): what the
+  router's `InstanceRegistry` routes on; `state() -> EngineStateReport` answers its slow liveness poll;
 - `probe(ProbeCall) -> ProbeReply`: a calibration measurement on exactly this engine
   (`/admin/probe`, driven by `disagg calibrate --live`).
 Every reply names the replica that produced it, so the router can verify the pinning (`misrouted`).
@@ -59,6 +60,8 @@ class PrefillCall:
     sampling: Any  # the request's vLLM SamplingParams (the engine makes the prefill's copy), or a sampling dict
     router: str = ""  # the router replica that sent it (the engine's ledger is kept per router)
     work_s: float = 0.0  # the prefill work the router priced it at, held in the engine's ledger until it returns
+    state_seq: int = 0  # the version of this engine's state the router decided on (0: none)
+    decided_at: float = 0.0  # when it decided (wall clock): the engine measures how old that state was
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,8 @@ class DecodeCall:
     kv_transfer_params: dict[str, Any] | None = None  # a `PrefillReply`'s; None: prefill locally
     router: str = ""  # the router replica that sent it (the engine's ledger is kept per router)
     work_s: float = 0.0  # the decode work the router priced it at, held in the engine's ledger until the end
+    state_seq: int = 0  # the version of this engine's state the router decided on (0: none)
+    decided_at: float = 0.0  # when it decided (wall clock): the engine measures how old that state was
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +100,8 @@ class GenerateCall:
     kv_transfer_params: dict[str, Any] | None = None  # a `PrefillReply`'s; None: prefill locally
     router: str = ""  # the router replica that sent it (the engine's ledger is kept per router)
     work_s: float = 0.0  # the decode work the router priced it at, held in the engine's ledger until the end
+    state_seq: int = 0  # the version of this engine's state the router decided on (0: none)
+    decided_at: float = 0.0  # when it decided (wall clock): the engine measures how old that state was
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +148,9 @@ class EngineStateReport:
     pid: int = 0  # the replica's process (its vLLM engine processes are its children)
     block_size: int = 0  # tokens per KV block (the router's prefix index hashes in multiples of it)
     node_id: str = ""  # the Ray node the replica runs on (its KV crosses nodes when the pair's differ)
+    seq: int = 0  # this state's version (`serve_app.state_push`): calls name the one they were decided on
+    decisions: int = 0  # calls that named the version they were decided on (cumulative)
+    stale_decisions: int = 0  # ... of which on a version older than the freshness bound (`state_age_bound_s`)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe (the role as its value), for `/admin/state`."""

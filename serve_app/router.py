@@ -213,8 +213,9 @@ class Router:
         return build_surface(cfg, start, outputs, new_flight)
 
     def stop_background(self) -> None:
-        """Stop polling the engines, measuring the loop's lag, exporting metrics and sharing prefix
-        records (in-process tests drive the first two themselves)."""
+        """Stop the engines' state streams and polls, measuring the loop's lag, exporting metrics and
+        sharing prefix records (in-process tests drive the first two themselves)."""
+        self.registry.stop()
         for task in (self._poll_task, self._lag_task, self._metrics_task, self._share_task, self._plan_task):
             if task is not None:
                 task.cancel()
@@ -394,7 +395,7 @@ class Router:
         """This replica's id, counters and requests in flight: `/admin/state` on any replica sums them."""
         return {"router": self.router_id, "counters": asdict(self.counters), "in_flight": len(self.ledger),
                 "pid": os.getpid(), "loop_lag_s": self.loop_lag.lag_s, "loop_lag_peak_s": self.loop_lag.peak_s,
-                "plan": self.last_plan}
+                "plan": self.last_plan, "state_pushes": self.registry.pushes}
 
     @fastapi_app.post("/admin/policy")
     async def admin_policy(self, request: Request) -> Response:

@@ -241,6 +241,8 @@ class StandInPool:
         self.role, self.ids = role, ids
         self.calls: list[tuple[str, str, Any]] = []
         self.broadcasts: list[tuple[str, tuple]] = []  # (method, args) of every broadcast but the polls
+        self.version = 1  # the engines' state version (`changed` makes the next and pushes it)
+        self._watchers: list = []  # one queue per open `watch` stream
 
     def state(self, replica: str):
         return idle_state(replica, self.role)
@@ -257,7 +259,37 @@ class StandInPool:
     def broadcast(self, method: str, *args) -> BroadcastResults:
         if method != "state":
             self.broadcasts.append((method, args))
-        return BroadcastResults([self.state(r) if method == "state" else {} for r in self.ids])
+        return BroadcastResults([self._versioned(r) if method == "state" else {} for r in self.ids])
+
+    def _versioned(self, replica: str):
+        from dataclasses import replace
+
+        return replace(self.state(replica), seq=self.version)
+
+    def changed(self) -> None:
+        """The engines' state moved: a new version, pushed on every open `watch` stream."""
+        self.version += 1
+        for q in self._watchers:
+            q.put_nowait(None)
+
+    async def watch_stream(self, router: str, replica: str):
+        """What `EngineServer.watch` streams: the current version, then each new one."""
+        import asyncio
+
+        q: asyncio.Queue = asyncio.Queue()
+        self._watchers.append(q)
+        try:
+            while True:
+                yield self._versioned(replica)
+                await q.get()
+                if replica not in self.ids:
+                    raise RuntimeError(f"replica {replica} is gone")
+        finally:
+            self._watchers.remove(q)
+
+    @property
+    def watch(self) -> "_PinnedMethod":
+        return _PinnedMethod(self, "watch", self.watch_stream)
 
     def options(self, **kw) -> "StandInPool":
         return self

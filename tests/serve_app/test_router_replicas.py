@@ -34,6 +34,7 @@ class _Held:
         self.engines, self.call, self.replica, self.i = engines, call, replica, 0
         engines.admitted[replica].add(call.router, call.work_s)
         engines.decoded_on.append(replica)
+        engines.changed()  # pushed to the routers watching (when they watch)
 
     def __aiter__(self):
         return self
@@ -43,6 +44,7 @@ class _Held:
             await self.engines.release.wait()
         if self.i == 2:
             self.engines.admitted[self.replica].remove(self.call.router, self.call.work_s)
+            self.engines.changed()
             raise StopAsyncIteration
         self.i += 1
         return DecodeChunk((7,), "a", "length" if self.i == 2 else None,
@@ -122,3 +124,54 @@ class _Blind(AdmittedWork):
 
     def totals(self):
         return {}
+
+
+def test_a_second_router_learns_of_the_first_ones_request_by_push_without_a_poll():
+    """The engines push their ledgers as they change: router B, which never polls after start,
+    sends the second request away from the instance router A just loaded."""
+
+    async def scenario():
+        prefill, decode = _Engines(Role.PREFILL, ["p0"]), _Engines(Role.DECODE, ["d0", "d1"])
+        a, b = await _router(prefill, decode), await _router(prefill, decode)
+        for r in (a, b):
+            r.registry.push = True
+            await r.poll_once()  # the start-up poll: finds the replicas and opens their streams
+        await asyncio.sleep(0.01)
+        pushed_before = b.registry.pushes
+        first = asyncio.create_task(a._handle(_request(0), chat=False))
+        while len(decode.decoded_on) < 1:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)  # the push's one hop (in-process: one loop turn)
+        assert b.registry.pushes > pushed_before
+        second = asyncio.create_task(b._handle(_request(1), chat=False))
+        while len(decode.decoded_on) < 2:
+            await asyncio.sleep(0.001)
+        decode.release.set()
+        await asyncio.gather(first, second)
+        seen = [c.state_seq for name, _, c in decode.calls if name == "decode"]
+        for r in (a, b):
+            r.stop_background()
+        return decode.decoded_on, seen
+
+    on, seen = asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert on[0] != on[1], on
+    assert all(s >= 1 for s in seen), seen  # each call names the state version it was decided on
+
+
+def test_a_replica_whose_stream_breaks_and_misses_the_next_poll_is_dropped_at_once():
+    async def scenario():
+        prefill, decode = _Engines(Role.PREFILL, ["p0"]), _Engines(Role.DECODE, ["d0", "d1"])
+        a = await _router(prefill, decode)
+        a.registry.push = True
+        await a.poll_once()
+        await asyncio.sleep(0.01)
+        decode.ids.remove("d1")  # the replica goes away: its stream breaks at the next push
+        decode.changed()
+        await asyncio.sleep(0.01)
+        assert a.registry._poll_now.is_set()  # the poller is woken rather than waiting its period
+        await a.poll_once()
+        a.stop_background()
+        return sorted(i.instance_id for i in a.registry.instances.values()), a.counters.instances_lost
+
+    ids, lost = asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert lost == 1 and not any(i.endswith("d1") for i in ids), ids

@@ -1,0 +1,128 @@
+"""Engine state by push: each engine replica streams its load to the routers when it changes.
+
+The engine side (`StatePublisher`) is poked on every change it can see — a scheduler step with
+outputs (vLLM's stat logger), a call admitted to or leaving its per-router ledger — waits
+`push_interval_s` so that a burst of changes makes one report, reads its state, and publishes a
+new version only when a routing signal moved: the running or waiting count, the work a router has
+sent there, or KV use by a whole `kv_step_tokens`. Every router keeps one `watch()` stream open
+per replica and receives each version once; a router that falls behind gets the latest version,
+never a backlog. Nothing is sent while nothing changes: an idle fleet costs no messages.
+
+Freshness is measured where the truth is. Every call a router sends carries the version it decided
+on (`state_seq`) and when it decided (`decided_at`, wall clock); the engine knows when its state
+first moved past that version, so `age_at_decision` is exactly how long the router's state had
+been out of date when it decided (0 when it was current). Ages are kept for the benchmarks, and
+those over `age_bound_s` are counted in every report, so no stale decision is silent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import replace
+from typing import AsyncIterator, Awaitable, Callable
+
+from serve_app.messages import EngineStateReport
+
+CHANGE_HISTORY = 4096  # versions remembered for ages (a call decided on an older one is counted as old as the oldest)
+AGE_SAMPLES = 65536  # ages kept for the benchmarks between two reads
+
+
+def moved(a: EngineStateReport | None, b: EngineStateReport, kv_step_tokens: int) -> bool:
+    """Did a routing signal move between two reports? (KV use counts only by whole steps: it moves
+    with every few decode steps, and a router cannot price a difference of one block.)"""
+    return (a is None or a.running != b.running or a.waiting != b.waiting or a.admitted != b.admitted
+            or abs(a.kv_used_tokens - b.kv_used_tokens) >= kv_step_tokens
+            or a.kv_capacity_tokens != b.kv_capacity_tokens or a.block_size != b.block_size)
+
+
+class StatePublisher:
+    """One engine replica's state versions, and the streams that push them (see the module docstring).
+
+    `read`: the replica's current report (its `seq`, `decisions` and `stale_decisions` are filled
+    in here). Runs on the replica's event loop; `poke` may be called from any code on that loop."""
+
+    def __init__(self, read: Callable[[], Awaitable[EngineStateReport]], push_interval_s: float,
+                 kv_step_tokens: int, age_bound_s: float) -> None:
+        self._read = read
+        self.push_interval_s = push_interval_s
+        self.kv_step_tokens = max(1, kv_step_tokens)
+        self.age_bound_s = age_bound_s
+        self.latest: EngineStateReport | None = None
+        self.seq = 0
+        self._dirty_since: float | None = None  # wall time of the first change not yet published
+        self._poked = asyncio.Event()
+        self._published: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._superseded: deque[tuple[int, float]] = deque(maxlen=CHANGE_HISTORY)  # (seq, when it went out of date)
+        self.ages: deque[float] = deque(maxlen=AGE_SAMPLES)
+        self.decisions = 0
+        self.stale_decisions = 0
+        self._task = asyncio.create_task(self._run())
+
+    def poke(self) -> None:
+        """Something that may move the state happened (cheap: called on every engine step)."""
+        if self._dirty_since is None:
+            self._dirty_since = time.time()
+        self._poked.set()
+
+    async def _run(self) -> None:
+        await self.publish()
+        while True:
+            await self._poked.wait()
+            await asyncio.sleep(self.push_interval_s)  # coalesce a burst into one version
+            self._poked.clear()
+            await self.publish()
+
+    async def publish(self) -> EngineStateReport:
+        """Read the state now and publish it if a routing signal moved; the latest version either way."""
+        changed_at, self._dirty_since = self._dirty_since, None
+        r = await self._read()
+        if self.latest is not None and not moved(self.latest, r, self.kv_step_tokens):
+            return self.latest
+        if self.latest is not None:
+            self._superseded.append((self.seq, changed_at if changed_at is not None else time.time()))
+        self.seq += 1
+        self.latest = replace(r, seq=self.seq, decisions=self.decisions, stale_decisions=self.stale_decisions)
+        done, self._published = self._published, asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return self.latest
+
+    async def watch(self) -> AsyncIterator[EngineStateReport]:
+        """Every version from the current one on, each once; the latest when the reader falls behind."""
+        if self.latest is None:
+            await self.publish()
+        seen = 0
+        while True:
+            if self.seq != seen:
+                seen = self.seq
+                yield self.latest
+                continue  # newer versions may have come while the reader was away
+            await asyncio.shield(self._published)
+
+    def age_at_decision(self, state_seq: int, decided_at: float) -> float:
+        """How long the state a router decided on (`state_seq`, at `decided_at`) had been out of date;
+        recorded, and counted when over the bound. 0 for a call that names no version."""
+        if state_seq <= 0:
+            return 0.0
+        age = 0.0
+        if state_seq < self.seq:
+            oldest = self._superseded[0][0] if self._superseded else self.seq
+            # versions are consecutive: the one decided on is at its offset (older than the history:
+            # as old as the oldest version remembered)
+            went_stale = self._superseded[max(0, state_seq - oldest)][1] if self._superseded else decided_at
+            age = max(0.0, decided_at - went_stale)
+        self.ages.append(age)
+        self.decisions += 1
+        if age > self.age_bound_s:
+            self.stale_decisions += 1
+        return age
+
+    def take_ages(self) -> list[float]:
+        """The ages recorded since the previous call (for the benchmarks)."""
+        out = list(self.ages)
+        self.ages.clear()
+        return out
+
+    def close(self) -> None:
+        self._task.cancel()
