@@ -259,6 +259,8 @@ class StandInPool:
     def broadcast(self, method: str, *args) -> BroadcastResults:
         if method != "state":
             self.broadcasts.append((method, args))
+        else:  # a test may have changed what `state` answers: the engine would publish a new version
+            self.version += 1
         return BroadcastResults([self._versioned(r) if method == "state" else {} for r in self.ids])
 
     def _versioned(self, replica: str):
