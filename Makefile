@@ -38,14 +38,16 @@ install: $(STAMP) $(BUILT)
 run: install
 	$(PY) -m serve_app.launch --config deployments/local.yaml
 
-# one Ray cluster per machine at a time: the two-node stack gets a pytest session of its own
+# one Ray cluster per machine at a time: the two-node stack and the 64-engine rig get a pytest
+# session each
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=1800 -m "not multinode" tests
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=1800 -m "not multinode and not rig" tests
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 -m multinode tests/multinode
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 -m rig tests/rig
 
 # everything but the real-stack tests (no Ray cluster, no engines)
 unit: install
-	$(PY) -m pytest -q -p no:cacheprovider -m "not stack" tests
+	$(PY) -m pytest -q -p no:cacheprovider -m "not stack and not rig" tests
 
 sim:
 	$(PY) -m disagg.cli sim --trace azure_conv_2023 --saturation \

@@ -23,6 +23,7 @@ from serve_app.config import (
     POOL_ROLES, AppConfig, ConfigError, MultiModelConfig, PoolConfig, RouterSettings, parse_args,
 )
 from serve_app.engine_server import EngineServer
+from serve_app.engine_standin import StandInEngine, vllm_wire_names
 from serve_app.router import Router
 
 PINNED_ROUTER = "serve_app.pinned_router:PinnedReplicaRouter"
@@ -71,13 +72,14 @@ def _engine_pools(cfg: AppConfig, prefix: str = "") -> dict[str, serve.Applicati
     KV from a prefill replica before it reports ready.
     """
     plain = cfg.model_dump(mode="json")
-    engine = serve.deployment(EngineServer)
+    engine = serve.deployment(StandInEngine if cfg.engine.stand_in else EngineServer)
+    extra = {"wire_names": vllm_wire_names()} if cfg.engine.stand_in else {}
     bound: dict[str, serve.Application] = {}
     for name in sorted(cfg.pools(), key=lambda n: n != "prefill"):  # prefill first: decode binds it
         role = POOL_ROLES[name]
         peer = (bound[Role.PREFILL.value],) if role is Role.DECODE else ()
         bound[role.value] = (engine.options(**_pool_options(prefix + name, cfg.pools()[name], cfg.engine.access_log))
-                             .bind(plain, role.value, *peer))
+                             .bind(plain, role.value, *peer, **extra))
     return bound
 
 

@@ -159,6 +159,9 @@ class EngineConfig(_Strict):
                                      "than this is counted in the engine's stale_decisions")
     kv_transfer: KvTransferSettings = Field(default_factory=KvTransferSettings)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra vLLM AsyncEngineArgs fields")
+    stand_in: bool = Field(default=False, description="the fleet-scale rig: engine replicas are stand-ins "
+                           "timed by the cost model (serve_app.engine_standin), no model runs; for measuring "
+                           "the router at fleet size only")
     access_log: bool = Field(default=False, description="Serve's access-log line for every call an engine "
                              "replica serves, state polls included (20 lines/s per replica): for debugging")
 

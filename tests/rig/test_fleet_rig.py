@@ -1,0 +1,65 @@
+"""The fleet-scale rig, short: 64 engine stand-ins and 4 real routers on this host
+(deployments/rig-64.yaml; benchmarks/fleet_rig.py is the long run with the figures).
+
+It checks what only fleet size shows: every router knows all 64 engines, nothing is sent while
+the fleet is idle, and under load the state behind 99% of decisions is within the engines'
+freshness bound."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.rig
+
+
+@pytest.fixture(scope="module")
+def rig():
+    from serve_app.launch import LocalStack
+
+    with LocalStack(ROOT / "deployments" / "rig-64.yaml", log=lambda m: print(f"[rig] {m}", flush=True)) as s:
+        yield s
+    assert not s.forced, f"the rig's stop was not graceful: {s.forced}"
+
+
+def _totals(state: dict) -> tuple[int, int, int]:
+    pushes = sum(r["state_pushes"] for r in state["routers"].values())
+    decisions = sum(i["decisions"] for i in state["instances"].values())
+    stale = sum(i["stale_decisions"] for i in state["instances"].values())
+    return pushes, decisions, stale
+
+
+def test_sixty_four_engines_pushed_to_four_routers_fresh_under_load_silent_at_idle(rig):
+    import httpx
+
+    from disagg.app_client import AppClient
+
+    app = AppClient(rig.base_url, timeout_s=60)
+    state = app.state()
+    assert len(state["routers"]) == 4
+    assert len(state["instances"]) == 64 and app.health()["status"] == "ok"
+    time.sleep(2.0)
+    idle = _totals(app.state())
+    time.sleep(3.0)
+    assert _totals(app.state()) == idle  # 64 engines × 4 routers, idle: not one message
+
+    async def load(n: int, rate: float) -> list[int]:
+        async with httpx.AsyncClient(base_url=rig.base_url, timeout=120, trust_env=False) as client:
+            async def one(i: int) -> int:
+                await asyncio.sleep(i / rate)
+                r = await client.post("/v1/completions", json={
+                    "model": "tiny-qwen2", "prompt": f"request {i} " * (10 + i % 50), "max_tokens": 8,
+                    "ignore_eos": True})
+                return r.status_code
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+    assert asyncio.run(load(200, 40.0)) == [200] * 200
+    pushes, decisions, stale = _totals(app.state())
+    assert pushes > idle[0]
+    assert decisions - idle[1] >= 400  # a prefill and a decode call each
+    assert stale - idle[2] <= 0.01 * (decisions - idle[1]), (
+        f"{stale - idle[2]} of {decisions - idle[1]} calls decided on state older than the bound")
