@@ -1,29 +1,21 @@
 """The dispatcher: one validated request's life, from the routing decision to its last token.
 
-Per request (a `Flight`), after vLLM's OpenAI layer in the router has validated and rendered it
-(`openai_surface`: its engine client's `generate` calls `start`, then relays `outputs`):
+`Dispatcher` places and admits each request (a `Flight`) and accounts for it; its decode streams
+and their migration run in `streams.FlightStreams`, which it owns. Per request, after vLLM's
+OpenAI layer in the router has validated and rendered it (`openai_surface`: its engine client's
+`generate` calls `start`, then relays `outputs`):
 1. predict the output length (`max_tokens` exactly when `ignore_eos`), take the instance views from
    the registry and call the model's P/D policy — the same object the simulator runs;
 2. admit to the ledger; prefill on exactly the chosen prefill replica (`pinned_router`), retrying
    another prefill replica (`prefill_retries`) and finally prefilling on the decode replica;
-3. start the decode on exactly the chosen decode replica with the prefill's `kv_transfer_params`
-   (a request the policy serves whole on a prefill instance, `Policy.may_host`, skips step 2 and
-   streams from that prefill replica, which prefills it locally)
-   and wait for its first token before the ingress answers, so a failure still gets a proper
-   status code; a decode that fails before its first token is retried once on another decode
-   replica, which prefills locally;
-4. stream the outputs, vLLM's own (`OutputDelta`), back to vLLM's OpenAI layer, which answers;
-   `n > 1`: sample 0 pulls the KV, and once its first token is out the other samples start on
-   the same decode instance, where its prefix cache holds the prompt (one prefill and one transfer
-   serve every sample); on the first token the KV has left the prefill instance
-   (`ledger.prefill_done`); at the end `ledger.finish`, the predictor learns the natural output
-   length, and the request log gets one line with the decision and its per-term costs;
-5. a decode that fails mid-stream is migrated (`migration_limit` times at most): another decode
-   instance prefills the prompt plus the tokens generated so far and streams the rest, so the
-   client gets the whole answer in one stream, every token once; from then on the router makes
-   the text and applies the stop strings (`router_text`). Not migrated (the answer ends with an
-   error event): structured output and tool calls forced through it (a grammar cannot resume
-   mid-answer), and `n > 1` (the samples share one decode instance's cache).
+3. have the streams start the decode with the prefill's `kv_transfer_params` and wait for its
+   first token (`FlightStreams.first_token`, with its one retry) before the ingress answers, so a
+   failure still gets a proper status code (a request the policy serves whole on a prefill
+   instance, `Policy.may_host`, skips step 2);
+4. relay the streams' outputs (`FlightStreams.samples`, migrated mid-stream where that can be done)
+   as vLLM `RequestOutput`s to vLLM's OpenAI layer, which answers; at the end `ledger.finish`, the
+   predictor learns the natural output length, and the request log gets one line with the
+   decision and its per-term costs (`finish`).
 A client that goes away cancels the in-flight prefill or decode call; Serve propagates the
 cancellation into the engine replica, where vLLM aborts the request. A prefill's KV that no decode
 will pull (the client left, or the decode failed over to a local prefill) is released at once
@@ -53,99 +45,35 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from disagg.core.ledger import Ledger, admission_work
 from disagg.core.latency_routing import ModelInstance
+from disagg.core.ledger import Ledger, admission_work
 from disagg.core.model_routing import LatencyAware, ModelRouter
-from disagg.core.policies import Colocated
 from disagg.core.planner import WindowCounter
+from disagg.core.policies import Colocated
 from disagg.core.predictor import BucketMeanPredictor
 from disagg.core.prefix_index import PrefixIndex, prompt_block_hashes
 from disagg.core.ttft_estimator import TtftEstimateError
 from disagg.core.types import InstanceView, NoCapacity, RequestFeatures, Role, SloClass
 from disagg.core.utility import AccuracyTable, Choice
+from serve_app.engine_calls import bad_request, decided_on, last_line, refusal
 from serve_app.flight import Flight
 from serve_app.instance_state import FlightFacts, instance_snapshot
+from serve_app.messages import PrefillCall, PrefillReply
 from serve_app.metrics import RouterMetrics
-from serve_app.router_text import RouterText, ends_inside_character
-from serve_app.messages import GenerateCall, InvalidRequest, OutputDelta, PrefillCall, PrefillReply
 from serve_app.openai_api import ApiError
-from serve_app.sampling import continuation_params, replaced, sample_params
 from serve_app.planning import count_served
 from serve_app.registry import Instance, InstanceRegistry
 from serve_app.request_log import Counters, RequestLog, request_record
-from serve_app.served_model import ServedModel
+from serve_app.streams import FlightStreams
 
 logger = logging.getLogger("ray.serve")
 ABANDONED_PREFILL_WAIT_S = 60.0  # how long a cancelled request's prefill is awaited to release its KV
-
-
-def _last_line(e: BaseException | None) -> str:
-    """A remote error's own message, without the Ray traceback around it."""
-    lines = str(e).strip().splitlines()
-    return lines[-1][:500] if lines else type(e).__name__
-
-
-def _refused(e: BaseException) -> InvalidRequest | None:
-    """The engine's `InvalidRequest` behind `e`, if that is what `e` is: Ray delivers it as a
-    `RayTaskError` that is also an `InvalidRequest`, with the original as `.cause`."""
-    for x in (getattr(e, "cause", None), e):
-        if isinstance(x, InvalidRequest):
-            return x
-    return None
-
-
-# the request fields behind an engine-side sampling parameter, by preference
-_FIELDS_OF = {"structured_outputs": ("structured_outputs", "response_format", "tool_choice"),
-              "logprobs": ("top_logprobs", "logprobs")}
-
-
-def _bad_request(refused: InvalidRequest, f: Flight) -> ApiError:
-    """An engine's refusal as a 400 naming the field the client set."""
-    param = refused.param
-    if param in _FIELDS_OF:
-        param = next((name for name in _FIELDS_OF[param] if name in f.fields), param)
-    return ApiError(f"{param}: {refused.message}" if param else refused.message, param=param, kind="BadRequestError")
-
-
-def _decided_on(f: Flight, instance_id: str) -> tuple[int, float]:
-    """(the version of the instance's state the flight was routed on, when): 0 for an instance its
-    decision did not pick (a retry elsewhere), whose state age is then not measured."""
-    return f.state_seen.get(instance_id, 0), f.decided_at
 
 
 def _detached(step) -> asyncio.Task:
     """A task outside the current request's context: Serve cancels every call made in a request's
     context when the request is cancelled, and these calls must outlive it."""
     return asyncio.get_running_loop().create_task(step, context=contextvars.Context())
-
-
-def _decoder(model: ServedModel):
-    """The served model's detokenizer, as vLLM's output text uses it."""
-    tokenizer = model.tokenizer
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-
-def _router_text(f: Flight) -> RouterText:
-    """The router's text for `f` from here on (the output tokens and text sent so far are kept)."""
-    p = f.params
-    return RouterText(_decoder(f.model), f.prompt_ids, f.output_ids, "".join(f.text_sent), p.stop,
-                      p.min_tokens, include_stop=p.include_stop_str_in_output)
-
-
-def _retext(text: RouterText, out: Any) -> bool:
-    """An engine's CompletionOutput delta with the router's text, in place; True when a stop string
-    ended the answer in it (its tokens after that one are dropped, as vLLM drops them)."""
-    # the engine has no stop strings here: its "stop" is a stop token's (EOS, `stop_token_ids`)
-    new, kept = text.feed(out.token_ids, finished=out.finish_reason is not None,
-                          token_stopped=out.finish_reason == "stop")
-    out.text = new
-    if kept is None:
-        return False
-    out.token_ids = list(out.token_ids)[:kept]
-    if out.logprobs is not None:
-        out.logprobs = out.logprobs[:kept]
-    out.finish_reason, out.stop_reason = "stop", text.stopped_by
-    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +90,8 @@ def _no_capacity(e: NoCapacity) -> ApiError:
 
 
 class Dispatcher:
-    """Runs each request through the engines; keeps the requests in flight (`flights`)."""
+    """Places, admits and prefills each request, and finishes it; keeps the requests in flight
+    (`flights`). Its decode and outputs run through `streams`."""
 
     def __init__(self, registry: InstanceRegistry, ledger: Ledger, counters: Counters, log: RequestLog,
                  accuracy: AccuracyTable, prefill_retries: int, multi_model: bool, router_id: str = "",
@@ -177,7 +106,6 @@ class Dispatcher:
         # the alias route's model-level router (`router.model_policy`); one model: never asked
         self.model_router = model_router or LatencyAware(0.0, accuracy)
         self.prefill_retries = prefill_retries
-        self.migration_limit = migration_limit
         self.metrics = metrics  # the Prometheus series each finished request feeds (None: not exported)
         self.window = WindowCounter()  # what the planner sees of this replica's traffic (serve_app.planning)
         self.multi_model = multi_model
@@ -185,19 +113,19 @@ class Dispatcher:
         self.flights: dict[str, Flight] = {}  # admitted and not finished, in admission order
         self._prefill_locally: dict[str, Colocated] = {}  # per model: its placement while no prefill instance is up
         self._background: set[asyncio.Task] = set()  # KV releases under way (held: tasks are weakly referenced)
+        self.streams = FlightStreams(registry, ledger, counters, router_id, migration_limit)  # decode and relay
 
     async def start(self, f: Flight) -> None:
         """Route, prefill, and get the first output (so errors still have a status code).
 
         Raises ApiError (or CancelledError) after finishing the request."""
         try:
-            if f.prompt_text is None and ends_inside_character(_decoder(f.model), f.prompt_ids):
-                f.router_text = _router_text(f)  # vLLM's text would start with the prompt's again
+            self.streams.prepare(f)
             await self._route_and_admit(f)
             kv = None if f.decision.colocated else await self._prefill(f)
             f.prefilled = True
             try:
-                await self._first_token(f, kv)
+                await self.streams.first_token(f, kv)
             except BaseException:
                 if kv is not None:  # its KV waits on the prefill engine for a pull that will not come
                     self._release_kv(f, kv)
@@ -253,7 +181,7 @@ class Dispatcher:
     def _background_done(self, task: asyncio.Task) -> None:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            logger.warning("router: releasing an abandoned prefill's KV failed: %s", _last_line(task.exception()))
+            logger.warning("router: releasing an abandoned prefill's KV failed: %s", last_line(task.exception()))
 
     # --- the routing decision ------------------------------------------------------------------
 
@@ -372,7 +300,7 @@ class Dispatcher:
         index.record(inst.instance_id, prompt_block_hashes(sequence, index.block_tokens, f.prefix_hashes),
                      inst.polled.kv_capacity_tokens)
 
-    # --- prefill, then the decode's first token ------------------------------------------------
+    # --- the prefill ---------------------------------------------------------------------------
 
     async def _prefill(self, f: Flight) -> dict | None:
         """KV location from the chosen prefill replica; other replicas on failure; None = prefill locally."""
@@ -385,15 +313,15 @@ class Dispatcher:
                 break
             tried.append(target)
             call = PrefillCall(f"{f.rid}-p{attempt}", f.prompt_ids, f.params, self.router_id, f.work_s[0],
-                               *_decided_on(f, target))
+                               *decided_on(f, target))
             try:
                 reply: PrefillReply = await self._prefill_call(f, inst, call)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a dead or failing prefill replica: try another, then go local
-                if (refused := _refused(e)) is not None:
-                    raise _bad_request(refused, f) from None
-                logger.warning("router: prefill of %s on %s failed: %s", f.rid, target, _last_line(e))
+                if (refused := refusal(e)) is not None:
+                    raise bad_request(refused, f) from None
+                logger.warning("router: prefill of %s on %s failed: %s", f.rid, target, last_line(e))
                 self.counters.prefill_retries += 1
                 others = [i.instance_id for i in self.registry.pool(m, Role.PREFILL) if i.instance_id not in tried]
                 if not others:
@@ -411,25 +339,6 @@ class Dispatcher:
         f.fallback = "local_prefill"
         f.actual_prefill = f.decision.decode_id
         return None
-
-    async def _open(self, f: Flight, inst: Instance, call: GenerateCall) -> tuple[Any, OutputDelta]:
-        """Start `call` on `inst`; its response stream and first delta. An engine's refusal is a 400;
-        any other failure propagates (the stream cancelled)."""
-        # a context of its own: Serve keys a call's routing by its request context's id, and calls
-        # routed at once under one id (the samples of n > 1, the prompts of a list) lose each other
-        stream = contextvars.Context().run(f.model.streams[inst.role].generate.remote, call, replica=inst.replica)
-        try:
-            first: OutputDelta = await stream.__anext__()
-        except StopAsyncIteration:
-            raise RuntimeError("decode ended without output") from None
-        except BaseException as e:  # cancellation included: the engine aborts the request
-            stream.cancel()
-            if isinstance(e, Exception) and (refused := _refused(e)) is not None:
-                raise _bad_request(refused, f) from None
-            raise
-        if first.replica is not None and first.replica != inst.replica:
-            self.counters.misrouted += 1
-        return stream, first
 
     async def _prefill_call(self, f: Flight, inst: Instance, call: PrefillCall) -> PrefillReply:
         """The prefill call on `inst`, which a cancelled request does not simply drop: the engine
@@ -455,111 +364,12 @@ class Dispatcher:
             return
         self._release_kv(f, reply.kv_transfer_params)
 
-    async def _first_token(self, f: Flight, kv: dict | None) -> None:
-        m = f.model
-        targets = [f.decision.decode_id] + [i.instance_id for i in self.registry.pool(m, m.decode_role)
-                                            if i.instance_id != f.decision.decode_id]
-        last_error: Exception | None = None
-        for n, target in enumerate(targets[:2]):  # the chosen decode, then one other (local prefill)
-            inst = self.registry.get(target)
-            if inst is None:
-                continue
-            # a prefill engine serving the request whole counts only its prefill as the call's work,
-            # as the ledger's prefill view does: the decode runs beside its prefills, not ahead of them
-            work_s = f.work_s[0] if inst.role is Role.PREFILL else f.work_s[1]
-            call = GenerateCall(f"{f.rid}-d{n}", f.prompt_ids, self._sample_params(f, 0), kv if n == 0 else None,
-                                self.router_id, work_s, *_decided_on(f, target))
-            try:
-                f.stream, f.first_delta = await self._open(f, inst, call)
-            except (asyncio.CancelledError, ApiError):
-                raise
-            except Exception as e:
-                logger.warning("router: decode of %s on %s failed before its first token: %s", f.rid, target,
-                               _last_line(e))
-                last_error = e
-                self.counters.decode_retries += 1
-                if n == 0 and kv is not None:
-                    f.fallback = "decode_retry_local_prefill"
-                continue
-            f.actual_decode = target
-            if n > 0 or f.actual_prefill is None:  # prefilled locally on this decode instance
-                f.actual_prefill = target
-            f.t_first = time.monotonic()
-            f.decode_engine_first_s = f.first_delta.engine_first_token_s
-            f.num_cached_tokens = f.first_delta.num_cached_tokens
-            if f.prompt_logprobs is None:  # computed by a local prefill
-                f.prompt_logprobs = f.first_delta.prompt_logprobs
-            self.ledger.prefill_done(f.rid)
-            return
-        raise ApiError(f"no decode instance could serve the request: {_last_line(last_error)}", status=503,
-                       kind="service_unavailable")
-
-    def _sample_params(self, f: Flight, index: int):
-        """Sample `index`'s parameters; without stop strings where the router applies them."""
-        params = sample_params(f.params, index)
-        return replaced(params, stop=None) if f.router_text is not None and params.stop else params
-
-    async def _migrate(self, f: Flight, error: Exception) -> OutputDelta | None:
-        """Continue `f` after its decode instance failed mid-stream with `error`: another decode
-        instance prefills the prompt plus the tokens so far and streams the rest. Returns the new
-        stream's first chunk (None: nothing was left to generate); ApiError (502) when the request
-        may not migrate (`migration_limit` reached, structured output) or no instance could take it."""
-        m = f.model
-        reason = _last_line(error)
-        logger.warning("router: decode of %s on %s failed after %d tokens: %s", f.rid, f.actual_decode,
-                       f.generated, reason)
-        left = f.params.max_tokens - f.generated
-        if left <= 0 and f.n == 1:  # the engine failed after the last token, before saying so
-            f.finish_reason = "length"
-            return None
-        resumable = f.params.structured_outputs is None and f.n == 1
-        if f.params.structured_outputs is not None:
-            reason += " (a structured-output request is not migrated)"
-        elif f.n > 1:
-            reason += " (a request of n > 1 samples is not migrated)"
-        while len(f.migrated_from) < self.migration_limit and resumable:
-            f.migrated_from.append(f.actual_decode)
-            f.migrated_after.append(f.generated)
-            others = [i for i in self.registry.pool(m, m.decode_role) if i.instance_id not in f.migrated_from]
-            if not others:
-                reason += " (no other decode instance)"
-                break
-            inst = min(others, key=lambda i: self.ledger.backlog_s(i.instance_id))
-            self.counters.migrations += 1
-            prompt = f.prompt_ids + f.output_ids
-            predicted = max(1, min(left, (f.predicted or left) - f.generated))
-            pw, dw = admission_work(m.cost_model, inst.instance_id, inst.instance_id, len(prompt), predicted,
-                                    self.ledger.queued(inst.instance_id))
-            self.ledger.finish(f.rid)  # its work moves to the new instance
-            self.ledger.admit(f.rid, inst.instance_id, inst.instance_id, pw, dw, len(prompt))
-            f.work_s = (pw, dw)
-            f.state_seen, f.decided_at = self.registry.versions(inst.instance_id), time.time()
-            call = GenerateCall(f"{f.rid}-m{len(f.migrated_from)}", prompt,
-                                continuation_params(f.params, f.generated), None, self.router_id, dw,
-                                *_decided_on(f, inst.instance_id))
-            try:
-                f.stream, first = await self._open(f, inst, call)
-            except (asyncio.CancelledError, ApiError):
-                raise
-            except Exception as e:
-                logger.warning("router: migration of %s to %s failed: %s", f.rid, inst.instance_id, _last_line(e))
-                f.actual_decode, reason = inst.instance_id, _last_line(e)
-                continue
-            logger.info("router: %s migrated from %s to %s after %d tokens", f.rid, f.migrated_from[-1],
-                        inst.instance_id, f.generated)
-            f.actual_decode = inst.instance_id
-            if f.router_text is None:  # else it goes on making the text, as after an earlier migration
-                f.router_text = _router_text(f)
-            self.ledger.prefill_done(f.rid)
-            return first
-        raise ApiError(f"decode failed after {f.generated} tokens: {reason}", status=502, kind="upstream_error")
-
     # --- relaying the tokens, and the end ------------------------------------------------------
 
     async def outputs(self, f: Flight) -> AsyncIterator[Any]:
         """vLLM `RequestOutput`s of `f` for vLLM's OpenAI layer, once `start` has got the first
         output: deltas, or (`final_only`) one output with every sample whole. Finishes the request
-        when they end; a decode that fails mid-stream is migrated (`_migrate`), and if it cannot
+        when they end; a decode that fails mid-stream is migrated (`streams`), and if it cannot
         be, ApiError (502)."""
         from vllm.outputs import RequestOutput
 
@@ -568,7 +378,7 @@ class Dispatcher:
         done = [False] * f.n
         whole = None  # final_only: every sample's output so far, joined by vLLM's own `RequestOutput.add`
         try:
-            async for index, delta in self._samples(f):
+            async for index, delta in self.streams.samples(f):
                 done[index] = delta.finish_reason is not None
                 out = RequestOutput(f.rid, f.prompt_text, f.prompt_ids, f.prompt_logprobs if first else None,
                                     [delta], all(done), num_cached_tokens=f.num_cached_tokens)
@@ -593,7 +403,7 @@ class Dispatcher:
             self.counters.failed += 1
             raise
         except Exception as e:
-            error = f"decode failed after {f.generated_total} tokens: {_last_line(e)}"
+            error = f"decode failed after {f.generated_total} tokens: {last_line(e)}"
             self.counters.failed += 1
             raise ApiError(error, status=502, kind="upstream_error") from None
         finally:
@@ -604,70 +414,6 @@ class Dispatcher:
                     if f.choice is not None:
                         self.alias_predictor.observe(len(f.prompt_ids), f.slo, f.generated)
             self.finish(f, error=error)
-
-    async def _samples(self, f: Flight) -> AsyncIterator[tuple[int, Any]]:
-        """(sample index, vLLM CompletionOutput delta) of every sample: sample 0 (`_sample_zero`),
-        then, once its first output is out, samples 1..n-1 on the same decode instance, whose
-        prefix cache now holds the prompt."""
-        zero = self._sample_zero(f)
-        if f.n == 1:
-            async for out in zero:
-                yield 0, out
-            return
-        first = await zero.__anext__()
-        yield 0, first
-        inst = self.registry.get(f.actual_decode)
-        if inst is None:
-            raise RuntimeError(f"decode instance {f.actual_decode} went away")
-        others = [self._other_sample(f, inst, i) for i in range(1, f.n)]
-        from vllm.utils.async_utils import merge_async_iterators
-
-        async for which, out in merge_async_iterators(zero, *others):
-            if which:
-                f.other_samples_tokens += len(out.token_ids)
-            yield out.index, out
-
-    async def _other_sample(self, f: Flight, inst: Instance, index: int) -> AsyncIterator[Any]:
-        """Sample `index` of `f` (n > 1) on `inst`, prefilled there from its prefix cache."""
-        call = GenerateCall(f"{f.rid}-s{index}", f.prompt_ids, self._sample_params(f, index), None, self.router_id)
-        stream, delta = await self._open(f, inst, call)
-        try:
-            while delta is not None:
-                delta.output.index = index
-                yield delta.output
-                try:
-                    delta = await stream.__anext__()
-                except StopAsyncIteration:
-                    delta = None
-        finally:
-            stream.cancel()
-
-    async def _sample_zero(self, f: Flight) -> AsyncIterator[Any]:
-        """Sample 0's CompletionOutput deltas, the first one included; across a migration."""
-        delta = f.first_delta
-        while delta is not None:
-            out, stopped = delta.output, False
-            if f.router_text is not None:
-                stopped = _retext(f.router_text, out)
-            f.output_ids.extend(out.token_ids)
-            f.text_sent.append(out.text)
-            if out.finish_reason:
-                f.finish_reason = out.finish_reason
-            yield out
-            if stopped:  # a stop string the router found: the engine would go on
-                f.stream.cancel()
-                return
-            try:
-                delta = await f.stream.__anext__()
-            except StopAsyncIteration:
-                delta = None
-            except asyncio.CancelledError:
-                f.stream.cancel()
-                raise
-            except Exception as e:
-                f.stream.cancel()
-                # failed after its last token (the end was sent): nothing is missing
-                delta = None if f.finish_reason else await self._migrate(f, e)
 
     def finish(self, f: Flight, error: str | None) -> None:
         """Release the request from the ledger and log it (idempotent); `error` None when served."""
