@@ -29,13 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from state_age import engine_ages, open_loop, totals  # noqa: E402  (benchmarks/state_age.py)
 from token_path_cpu import cpu_by_part  # noqa: E402  (benchmarks/token_path_cpu.py)
 
 from disagg.app_client import AppClient  # noqa: E402
@@ -44,41 +44,7 @@ from disagg.stats import percentile  # noqa: E402
 from serve_app.launch import RAY_ADDRESS, LocalStack, _env  # noqa: E402
 
 RIG = ROOT / "deployments" / "rig-64.yaml"
-
-
-def totals(state: dict) -> tuple[int, int, int]:
-    """(state pushes received by the routers, calls that named a state version, of which stale)."""
-    return (sum(r["state_pushes"] for r in state["routers"].values()),
-            sum(i["decisions"] for i in state["instances"].values()),
-            sum(i["stale_decisions"] for i in state["instances"].values()))
-
-
-async def engine_ages() -> list[float]:
-    from ray import serve
-
-    ages: list[float] = []
-    for pool in ("prefill", "decode"):
-        for reply in await serve.get_deployment_handle(pool, "disagg").broadcast("decision_ages").results_async(
-                timeout_s=60):
-            ages.extend(reply)
-    return ages
-
-
-async def open_loop(url: str, rate: float, seconds: float, rng: random.Random) -> tuple[int, int]:
-    ok = 0
-    async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False,
-                                 limits=httpx.Limits(max_connections=512)) as client:
-        async def one(words: int) -> None:
-            nonlocal ok
-            r = await client.post("/v1/completions", json={"model": "tiny-qwen2", "prompt": "word " * words,
-                                                           "max_tokens": 8, "ignore_eos": True})
-            ok += r.status_code == 200
-        tasks, t_end = [], time.monotonic() + seconds
-        while time.monotonic() < t_end:
-            tasks.append(asyncio.create_task(one(rng.randint(20, 400))))
-            await asyncio.sleep(rng.expovariate(rate))
-        await asyncio.gather(*tasks)
-    return len(tasks), ok
+POOLS = ["prefill", "decode"]
 
 
 def decision_us(log_path: Path, skip: int) -> tuple[list[float], int]:
@@ -96,7 +62,7 @@ async def measure(stack: LocalStack, args, log_path: Path) -> dict:
     routers, engines = len(state["routers"]), len(state["instances"])
     log(f"{routers} routers, {engines} engines; settling {args.settle_s:.0f} s")
     await asyncio.sleep(args.settle_s)
-    await engine_ages()
+    await engine_ages("disagg", POOLS)
     before, cpu0, t0 = totals(app.state()), cpu_by_part(), time.monotonic()
     await asyncio.sleep(args.idle_s)
     cpu1, dt, after = cpu_by_part(), time.monotonic() - t0, totals(app.state())
@@ -112,10 +78,10 @@ async def measure(stack: LocalStack, args, log_path: Path) -> dict:
     _, seen = decision_us(log_path, 0)
     for rate in [float(r) for r in args.rates.split(",")]:
         s0 = totals(app.state())
-        sent, ok = await open_loop(stack.base_url, rate, args.seconds, rng)
+        sent, ok = await open_loop(stack.base_url, "tiny-qwen2", rate, args.seconds, rng)
         await asyncio.sleep(1.0)  # the last streams' logs
         s1 = totals(app.state())
-        ages = await engine_ages()
+        ages = await engine_ages("disagg", POOLS)
         times, seen = decision_us(log_path, seen)
         row = {"rate": rate, "sent": sent, "ok": ok, "calls": len(ages),
                "state_age_p50_ms": round(1e3 * percentile(ages, 50), 3),

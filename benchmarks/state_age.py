@@ -34,8 +34,12 @@ from disagg.stats import percentile  # noqa: E402
 from serve_app.launch import RAY_ADDRESS, _env  # noqa: E402
 
 
-def pushes(state: dict) -> int:
-    return sum(r.get("state_pushes", 0) for r in state["routers"].values())
+def totals(state: dict) -> tuple[int, int, int]:
+    """From `/admin/state`: (state versions the routers received by push, calls that named the
+    version they were decided on, of which on one older than the engines' bound)."""
+    return (sum(r["state_pushes"] for r in state["routers"].values()),
+            sum(i["decisions"] for i in state["instances"].values()),
+            sum(i["stale_decisions"] for i in state["instances"].values()))
 
 
 async def engine_ages(app: str, pools: list[str]) -> list[float]:
@@ -51,12 +55,13 @@ async def engine_ages(app: str, pools: list[str]) -> list[float]:
 
 
 async def open_loop(url: str, model: str, rate: float, seconds: float, rng: random.Random) -> tuple[int, int]:
-    """Poisson arrivals of short completions for `seconds`; (sent, ok)."""
+    """Poisson arrivals of short completions (20-400 words, 8 tokens) for `seconds`; (sent, ok)."""
     ok = 0
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False,
+                                 limits=httpx.Limits(max_connections=512)) as client:
         async def one(words: int) -> None:
             nonlocal ok
-            r = await client.post(f"{url}/v1/completions", json={
+            r = await client.post("/v1/completions", json={
                 "model": model, "prompt": "word " * words, "max_tokens": 8, "ignore_eos": True})
             ok += r.status_code == 200
         tasks, t_end = [], time.monotonic() + seconds
@@ -90,25 +95,24 @@ async def run(args: argparse.Namespace) -> int:
     state = app.state()
     model = next(iter(state["models"]))
     await engine_ages(args.app, pools)  # drop what came before
-    before = pushes(state)
+    before = totals(state)[0]
     log(f"idle for {args.idle_s:.0f} s")
     await asyncio.sleep(args.idle_s)
-    idle_pushes = pushes(app.state()) - before
+    idle_pushes = totals(app.state())[0] - before
     out = {"idle_s": args.idle_s, "idle_pushes": idle_pushes, "rates": []}
     log(f"idle: {idle_pushes} state pushes")
     rng = random.Random(args.seed)
     for rate in [float(r) for r in args.rates.split(",")]:
         s0 = app.state()
-        stale0 = sum(i["stale_decisions"] for i in s0["instances"].values())
         sent, ok = await open_loop(args.url, model, rate, args.seconds, rng)
         s1 = app.state()
         ages = await engine_ages(args.app, pools)
-        stale = sum(i["stale_decisions"] for i in s1["instances"].values()) - stale0
+        stale = totals(s1)[2] - totals(s0)[2]
         row = {"rate": rate, "sent": sent, "ok": ok, "decisions": len(ages),
                "age_p50_ms": 1e3 * percentile(ages, 50), "age_p99_ms": 1e3 * percentile(ages, 99),
                "age_max_ms": 1e3 * max(ages, default=float("nan")),
                "current_share": sum(a == 0.0 for a in ages) / max(1, len(ages)),
-               "over_bound": stale, "pushes_per_s": (pushes(s1) - pushes(s0)) / args.seconds}
+               "over_bound": stale, "pushes_per_s": (totals(s1)[0] - totals(s0)[0]) / args.seconds}
         out["rates"].append(row)
         log(f"rate {rate:g}/s: {ok}/{sent} ok, {len(ages)} calls; state age p50 {row['age_p50_ms']:.2f} ms, "
             f"p99 {row['age_p99_ms']:.2f} ms, max {row['age_max_ms']:.1f} ms; current at decision "
