@@ -350,11 +350,12 @@ class EngineServer:
     async def release_kv(self, request_id: str, kv_transfer_params: dict, replica: str | None = None) -> None:
         await self.engine.release_kv(request_id, kv_transfer_params)
 
-    async def state(self) -> EngineStateReport:
-        """The current report (a new version if a routing signal moved since the last one)."""
+    async def state(self, exact: bool = False) -> EngineStateReport:
+        """The current report: a new version if a routing signal moved since the last one (`exact`: if
+        anything did, for `/admin/state`)."""
         if self.publisher is None:
             return await self._report()
-        return await self.publisher.publish()
+        return await self.publisher.publish(exact)
 
     async def watch(self, router: str = "", replica: str | None = None) -> AsyncIterator[EngineStateReport]:
         """This engine's state, pushed: every version from the current one on (see `state_push`)."""

@@ -212,8 +212,8 @@ class StandInEngine:
         async for r in self.publisher.watch():
             yield r
 
-    async def state(self) -> EngineStateReport:
-        return await self.publisher.publish()
+    async def state(self, exact: bool = False) -> EngineStateReport:
+        return await self.publisher.publish(exact)
 
     def decision_ages(self) -> list[float]:
         return self.publisher.take_ages()

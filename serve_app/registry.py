@@ -100,13 +100,15 @@ class InstanceRegistry:
             task.cancel()
         self._watches.clear()
 
-    async def poll_once(self) -> None:
-        """Ask every replica for its state: finds new replicas, opens their streams, drops the gone."""
+    async def poll_once(self, exact: bool = False) -> None:
+        """Ask every replica for its state: finds new replicas, opens their streams, drops the gone.
+        `exact`: each replica publishes its state as it is now, KV use to the token (`/admin/state`),
+        not only when a routing signal moved."""
         now = time.monotonic()
         broken, self._broken = self._broken, set()
         pools = [(m, role, h) for m in self.models.values() for role, h in m.handles.items()]
         results = await asyncio.gather(*(
-            h.broadcast("state").results_async(timeout_s=POLL_TIMEOUT_S, return_exceptions=True)
+            h.broadcast("state", exact).results_async(timeout_s=POLL_TIMEOUT_S, return_exceptions=True)
             for _, _, h in pools), return_exceptions=True)
         for (model, role, _), reports in zip(pools, results):
             if isinstance(reports, DeploymentUnavailableError):

@@ -377,6 +377,7 @@ class Router:
         every router replica, and `routers` with each one's."""
         if (refused := self.access.admin(request)) is not None:
             return refused
+        await self.registry.poll_once(exact=True)  # the engines as they are now, not as of their last push
         state = self.admin.state()
         routers = {self.router_id: await self.router_summary()}
         if self._peers is not None:

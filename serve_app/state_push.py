@@ -74,11 +74,14 @@ class StatePublisher:
             self._poked.clear()
             await self.publish()
 
-    async def publish(self) -> EngineStateReport:
-        """Read the state now and publish it if a routing signal moved; the latest version either way."""
+    async def publish(self, exact: bool = False) -> EngineStateReport:
+        """Read the state now and publish it if a routing signal moved (`exact`: if anything did, KV
+        use by a single token or a counter: what a caller asking for the state now is owed); the
+        latest version either way."""
         changed_at, self._dirty_since = self._dirty_since, None
         r = await self._read()
-        if self.latest is not None and not moved(self.latest, r, self.kv_step_tokens):
+        if self.latest is not None and not (
+                moved(self.latest, r, self.kv_step_tokens) or exact and r != self._unversioned(self.latest)):
             return self.latest
         if self.latest is not None:
             self._superseded.append((self.seq, changed_at if changed_at is not None else time.time()))
@@ -87,6 +90,11 @@ class StatePublisher:
         done, self._published = self._published, asyncio.get_running_loop().create_future()
         done.set_result(None)
         return self.latest
+
+    @staticmethod
+    def _unversioned(r: EngineStateReport) -> EngineStateReport:
+        """`r` as `read` gives it (without what `publish` adds), for comparing."""
+        return replace(r, seq=0, decisions=0, stale_decisions=0)
 
     async def watch(self) -> AsyncIterator[EngineStateReport]:
         """Every version from the current one on, each once; the latest when the reader falls behind."""

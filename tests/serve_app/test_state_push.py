@@ -76,6 +76,19 @@ async def test_a_burst_of_changes_is_one_version_and_an_idle_engine_sends_nothin
 
 
 @in_loop
+async def test_a_change_below_the_kv_step_is_published_only_when_asked_for_exactly():
+    e = Engine()
+    pub = StatePublisher(e.read, push_interval_s=0.0, kv_step_tokens=128, age_bound_s=0.02)
+    await pub.publish()
+    e.report = replace(e.report, kv_used_tokens=16, prefix_cache_hits=3)
+    assert (await pub.publish()).seq == 1  # a block and a counter: no routing signal moved
+    exact = await pub.publish(exact=True)  # `/admin/state`: the state as it is now
+    assert exact.seq == 2 and exact.kv_used_tokens == 16 and exact.prefix_cache_hits == 3
+    assert (await pub.publish(exact=True)).seq == 2  # nothing more moved
+    pub.close()
+
+
+@in_loop
 async def test_every_watcher_gets_the_latest_version_and_a_slow_one_skips_to_it():
     e = Engine()
     pub = StatePublisher(e.read, push_interval_s=0.0, kv_step_tokens=16, age_bound_s=0.02)
