@@ -59,7 +59,8 @@ async def measure(stack: LocalStack, args, log_path: Path) -> dict:
     ray.init(address=RAY_ADDRESS, namespace="serve", log_to_driver=False)
     app = AppClient(stack.base_url, timeout_s=120)
     state = app.state()
-    routers, engines = len(state["routers"]), len(state["instances"])
+    # the config's count: a replica too busy to answer /admin/state's summary in time still uses CPU
+    routers, engines = stack.apps[0][1].router.num_replicas, len(state["instances"])
     log(f"{routers} routers, {engines} engines; settling {args.settle_s:.0f} s")
     await asyncio.sleep(args.settle_s)
     await engine_ages("disagg", POOLS)

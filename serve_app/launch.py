@@ -117,6 +117,7 @@ METRICS_PORT = 8079  # Ray's Prometheus endpoint on this node: Serve's, the engi
 # machine's outward one, where the head does not listen. Ray's own CLI, with that rewrite off.
 _RAY_JOIN_ON_LOOPBACK = ("import sys, ray._private.services as s; s.resolve_ip_for_localhost = lambda host: host; "
                          "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())")
+DASHBOARD_URL = "http://127.0.0.1:8265"  # the head's dashboard (`serve status` reads the app's state there)
 DASHBOARD_AGENT_PORT = 52365  # Ray's default for the head's agent; the nth local worker node's is n above
 LOCAL_RESOURCE_AMOUNT = 1000.0  # of each custom resource on its local node: room for any pool width
 WORKER_OBJECT_STORE_BYTES = 256 << 20  # a local worker node's object store (the head keeps Ray's default)
@@ -285,7 +286,25 @@ class LocalStack:
             raise subprocess.CalledProcessError(proc.returncode, proc.args, out, err)
 
     def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
         self._wait_healthy(self.base_url, self.ready_timeout_s)
+        self._wait_running(deadline)
+
+    def _wait_running(self, deadline: float) -> None:
+        """Until Serve reports every application RUNNING: `/health` answers from the first router
+        replica up, while the others (and their share of HAProxy's traffic) may still be starting."""
+        last = ""
+        while time.monotonic() < deadline:
+            out = subprocess.run([_bin("serve"), "status", "--address", DASHBOARD_URL], env=_env(),
+                                 capture_output=True, text=True, timeout=60)
+            apps = (yaml.safe_load(out.stdout) or {}).get("applications") or {} if out.returncode == 0 else {}
+            last = ", ".join(f"{name}: {a.get('status')}" for name, a in apps.items()) or out.stderr[-200:]
+            if apps and all(a.get("status") == "RUNNING" for a in apps.values()):
+                self.log(f"every replica up ({last})")
+                return
+            time.sleep(2.0)
+        raise TimeoutError(f"Serve did not report the application running within {self.ready_timeout_s:.0f} s "
+                           f"(last: {last})")
 
     def _wait_healthy(self, base_url: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -434,7 +453,7 @@ def main(argv=None) -> int:
         # a multi-model app: show the alias, which lets the router choose the model
         model = (args.get("router") or {}).get("alias", "auto") if "models" in args else stack.apps[0][1].model.served_name
         print(f"""
-Serving on {url} (Ray dashboard: http://127.0.0.1:8265; Prometheus metrics: http://127.0.0.1:{METRICS_PORT}/metrics). Try:
+Serving on {url} (Ray dashboard: {DASHBOARD_URL}; Prometheus metrics: http://127.0.0.1:{METRICS_PORT}/metrics). Try:
 
   curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})}' -i

@@ -75,6 +75,8 @@ class RouterMetrics:
         self.planned_width = Gauge("disagg_planned_width", "each pool's width as the SLO-driven planner last set it",
                                    tag_keys=("model", "pool"))
         self._counted: dict[str, int] = {}
+        self._load: dict[tuple[str, str], tuple] = {}  # (model, instance) → the load last exported
+        self._lag: float | None = None
 
     def request_finished(self, record: dict, model: str, ttft_target_s: float, tpot_target_s: float) -> None:
         """One request log record (`request_log.request_record`) into the series."""
@@ -117,8 +119,15 @@ class RouterMetrics:
                 self.events.inc(grown, tags={"event": event})
             self._counted[event] = value
         for model, v in instances:
+            load = (v.backlog_s, v.queued, v.kv_used_tokens / v.kv_capacity_tokens if v.kv_capacity_tokens else 0.0)
+            key = (model, v.instance_id)
+            if self._load.get(key) == load:  # a gauge keeps its value: an idle fleet costs no metric updates
+                continue
+            self._load[key] = load
             tags = {"model": model, "role": v.role.value, "instance": v.instance_id}
-            self.backlog.set(v.backlog_s, tags=tags)
-            self.queued.set(v.queued, tags=tags)
-            self.kv_pressure.set(v.kv_used_tokens / v.kv_capacity_tokens if v.kv_capacity_tokens else 0.0, tags=tags)
-        self.loop_lag.set(loop_lag_s)
+            self.backlog.set(load[0], tags=tags)
+            self.queued.set(load[1], tags=tags)
+            self.kv_pressure.set(load[2], tags=tags)
+        if loop_lag_s != self._lag:
+            self._lag = loop_lag_s
+            self.loop_lag.set(loop_lag_s)

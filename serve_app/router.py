@@ -192,7 +192,7 @@ class Router:
         self._poll_task = asyncio.get_running_loop().create_task(self.registry.poll_forever())
         self.loop_lag = LoopLag()
         self.loop_lag_bound_s = rc.shed_loop_lag_s
-        self._lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run())
+        self._lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run(busy=lambda: len(self.ledger) > 0))
         self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
         self._share_task = asyncio.get_running_loop().create_task(self._share_prefixes())
         self.last_plan: dict | None = None  # the planner's latest plan (rank 0 only)

@@ -53,6 +53,17 @@ def test_the_running_monitor_sees_a_blocked_loop():
     assert busy > 0.05 and calm < busy / 2
 
 
+def test_an_idle_router_ticks_at_the_idle_interval_and_a_busy_one_at_the_fast_one():
+    async def ticks(busy: bool) -> int:
+        lag = LoopLag(interval_s=0.01, horizon_s=10.0, idle_interval_s=0.1)
+        task = asyncio.get_running_loop().create_task(lag.run(busy=lambda: busy))
+        await asyncio.sleep(0.55)
+        task.cancel()
+        return len(lag._samples)
+    assert asyncio.run(ticks(False)) <= 6  # the first tick at the fast interval, then 10 a second
+    assert asyncio.run(ticks(True)) >= 25
+
+
 @pytest.mark.parametrize("lag, slo, refused", [
     (0.04, SloClass.LOOSE, False), (0.05, SloClass.LOOSE, True), (0.09, SloClass.TIGHT, False),
     (0.1, SloClass.TIGHT, True)])

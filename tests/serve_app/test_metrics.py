@@ -100,12 +100,14 @@ def test_refresh_exports_counter_growth_instance_load_and_loop_lag(metrics):
     view = InstanceView("decode-b", Role.DECODE, backlog_s=1.5, queued=3, kv_used_tokens=250, kv_capacity_tokens=1000)
     metrics.refresh(c, [("m", view)], loop_lag_s=0.02)
     c.requests, c.shed_429 = 7, 2
-    metrics.refresh(c, [("m", view)], loop_lag_s=0.03)
+    loaded = InstanceView("decode-b", Role.DECODE, backlog_s=2.0, queued=4, kv_used_tokens=500, kv_capacity_tokens=1000)
+    metrics.refresh(c, [("m", loaded)], loop_lag_s=0.03)
+    metrics.refresh(c, [("m", loaded)], loop_lag_s=0.03)  # nothing moved: no update (a gauge keeps its value)
     events = {dict(k)["event"]: v for k, v in metrics.events.values.items()}
     assert events == {"requests": [5, 2], "migrations": [1], "shed_429": [2]}  # growth only, once each
     tags = (("instance", "decode-b"), ("model", "m"), ("role", "decode"))
-    assert metrics.backlog.values[tags] == [1.5, 1.5] and metrics.queued.values[tags] == [3, 3]
-    assert metrics.kv_pressure.values[tags] == [0.25, 0.25]
+    assert metrics.backlog.values[tags] == [1.5, 2.0] and metrics.queued.values[tags] == [3, 4]
+    assert metrics.kv_pressure.values[tags] == [0.25, 0.5]
     assert metrics.loop_lag.values[()] == [0.02, 0.03]
 
 
