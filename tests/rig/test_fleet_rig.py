@@ -60,6 +60,6 @@ def test_sixty_four_engines_pushed_to_four_routers_fresh_under_load_silent_at_id
     assert asyncio.run(load(200, 40.0)) == [200] * 200
     pushes, decisions, stale = _totals(app.state())
     assert pushes > idle[0]
-    assert decisions - idle[1] >= 400  # a prefill and a decode call each
+    assert decisions - idle[1] >= 200  # every request's first engine call names the version it was decided on
     assert stale - idle[2] <= 0.01 * (decisions - idle[1]), (
         f"{stale - idle[2]} of {decisions - idle[1]} calls decided on state older than the bound")
