@@ -57,8 +57,12 @@ def test_sixty_four_engines_pushed_to_four_routers_fresh_under_load_silent_at_id
                 return r.status_code
             return await asyncio.gather(*(one(i) for i in range(n)))
 
-    assert asyncio.run(load(200, 40.0)) == [200] * 200
-    pushes, decisions, stale = _totals(app.state())
+    # 20 requests/s: what 4 routers sustain on 2 cores beside 64 replicas (benchmarks/fleet_rig.py);
+    # past it the routers shed (429), which is right, and not what this test is about
+    codes = asyncio.run(load(200, 20.0))
+    state = app.state()
+    assert codes == [200] * 200, (codes, {k: state["counters"][k] for k in ("shed_429", "shed_router_busy")})
+    pushes, decisions, stale = _totals(state)
     assert pushes > idle[0]
     assert decisions - idle[1] >= 200  # every request's first engine call names the version it was decided on
     assert stale - idle[2] <= 0.01 * (decisions - idle[1]), (
