@@ -137,7 +137,7 @@ def _pressure_key(extra: int):
 
 
 @register
-class LengthHeuristic(Policy):
+class LengthHeuristic(LeastLoaded):
     """`length_heuristic`: a threshold rule on the predicted output length.
 
     Prefill goes to the shortest queue. A request predicted to generate at least
@@ -155,12 +155,7 @@ class LengthHeuristic(Policy):
     class Params(TieBreakParams):
         long_output_tokens: int = Field(default=256, gt=0, description="outputs at least this long count as long")
 
-    name = "length_heuristic"
-
-    def __init__(self, cost_model: CostModel, params: Params | None = None) -> None:
-        super().__init__(cost_model, params)
-        self._p, self._d = Cursor(), Cursor()
-        self._tie = TieBreak(self.params)
+    name = "length_heuristic"  # least_loaded's cursors and tie-break, its own rule for the decode side
 
     def choose(self, req, prefill, decode, now):
         p = self._tie.argmin(self._p.rotated(feasible(prefill, req, "prefill")), queued)
