@@ -57,7 +57,6 @@ from serve_app.state_push import StatePublisher
 from serve_app.tiny_model import resolve_model
 
 logger = logging.getLogger("ray.serve")
-KV_STEPS = 64  # KV use is pushed when it moves by 1/64 of the cache (at least a block)
 
 
 def engine_spec(cfg: AppConfig, role: Role, side_channel_host: str, port: int) -> EngineSpec:
@@ -262,17 +261,15 @@ class EngineServer:
             self.port.release()
             raise
         s = await self.engine.state()
-        self.publisher = StatePublisher(self._report, cfg.engine.push_interval_s,
-                                        max(s.block_size, s.kv_capacity_tokens // KV_STEPS),
-                                        cfg.engine.state_age_bound_s)
+        self.publisher = StatePublisher(self._report, cfg.engine.push_interval_s, s.block_size,
+                                        s.kv_capacity_tokens, cfg.engine.state_age_bound_s)
         self.engine.on_step(self.publisher.poke)
 
     def _admit(self, call: PrefillCall | GenerateCall | DecodeCall) -> None:
         """Hold the call in this engine's ledger, and measure how old the state it was decided on was."""
         self.admitted.add(call.router, call.work_s)
-        if self.publisher is not None:
-            self.publisher.age_at_decision(call.state_seq, call.decided_at)
-            self.publisher.poke()
+        if self.publisher is not None:  # None during the warm-up only
+            self.publisher.call_arrived(call.state_seq, call.decided_at)
 
     def _release(self, call: PrefillCall | GenerateCall | DecodeCall) -> None:
         self.admitted.remove(call.router, call.work_s)

@@ -34,7 +34,6 @@ from serve_app.config import AppConfig, load_cost_model
 from serve_app.messages import EngineStateReport, GenerateCall, OutputDelta, PrefillCall, PrefillReply
 from serve_app.state_push import StatePublisher
 
-KV_STEPS = 64  # as EngineServer: KV use is pushed when it moves by 1/64 of the cache
 TOKEN_ID = 100  # what every stand-in sequence generates
 TOKEN_TEXT = " a"
 
@@ -119,8 +118,8 @@ class StandInEngine:
         self._prefill_lock = asyncio.Lock()  # one prefill at a time, in arrival order
         self._work = asyncio.Event()
         self._stepper = asyncio.create_task(self._step_forever())
-        self.publisher = StatePublisher(self._report, cfg.engine.push_interval_s,
-                                        max(self.block_size, self.capacity // KV_STEPS), cfg.engine.state_age_bound_s)
+        self.publisher = StatePublisher(self._report, cfg.engine.push_interval_s, self.block_size, self.capacity,
+                                        cfg.engine.state_age_bound_s)
 
     # -- the engine model ----------------------------------------------------------------------
 
@@ -165,8 +164,7 @@ class StandInEngine:
 
     def _admit(self, call: PrefillCall | GenerateCall) -> None:
         self.admitted.add(call.router, call.work_s)
-        self.publisher.age_at_decision(call.state_seq, call.decided_at)
-        self.publisher.poke()
+        self.publisher.call_arrived(call.state_seq, call.decided_at)
 
     def _release(self, call: PrefillCall | GenerateCall) -> None:
         self.admitted.remove(call.router, call.work_s)

@@ -56,7 +56,6 @@ class Instance:
     report: EngineStateReport  # its latest state (pushed, or the liveness poll's answer): `report.seq` is its version
     polled: PolledState  # the load signals the ledger merges into its view
     last_seen: float  # monotonic time of the latest word from it
-    heard_at: float = 0.0  # monotonic time its latest version arrived
 
 
 class InstanceRegistry:
@@ -172,10 +171,10 @@ class InstanceRegistry:
         if model.prefix_index is None and r.block_size > 0:  # one model's engines share one block size
             model.prefix_index = PrefixIndex(index_block_tokens(r.block_size))
         if inst is None:
-            self.instances[iid] = Instance(iid, role, model.name, r.replica, r, polled, now, now)
+            self.instances[iid] = Instance(iid, role, model.name, r.replica, r, polled, now)
             logger.info("router: instance %s joined", iid)
         else:
-            inst.report, inst.polled, inst.last_seen, inst.heard_at = r, polled, now, now
+            inst.report, inst.polled, inst.last_seen = r, polled, now
         self.ledger.polled(iid)
         return iid
 

@@ -4,7 +4,7 @@ The engine side (`StatePublisher`) is poked on every change it can see — a sch
 outputs (vLLM's stat logger), a call admitted to or leaving its per-router ledger — waits
 `push_interval_s` so that a burst of changes makes one report, reads its state, and publishes a
 new version only when a routing signal moved: the running or waiting count, the work a router has
-sent there, or KV use by a whole `kv_step_tokens`. Every router keeps one `watch()` stream open
+sent there, or KV use by 1/64 of the cache (at least a block). Every router keeps one `watch()` stream open
 per replica and receives each version once; a router that falls behind gets the latest version,
 never a backlog. Nothing is sent while nothing changes: an idle fleet costs no messages.
 
@@ -25,6 +25,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from serve_app.messages import EngineStateReport
 
+KV_STEPS = 64  # KV use is pushed when it moves by 1/64 of the cache (at least a block)
 CHANGE_HISTORY = 4096  # versions remembered for ages (a call decided on an older one is counted as old as the oldest)
 AGE_SAMPLES = 65536  # ages kept for the benchmarks between two reads
 
@@ -44,10 +45,10 @@ class StatePublisher:
     in here). Runs on the replica's event loop; `poke` may be called from any code on that loop."""
 
     def __init__(self, read: Callable[[], Awaitable[EngineStateReport]], push_interval_s: float,
-                 kv_step_tokens: int, age_bound_s: float) -> None:
+                 block_size: int, kv_capacity_tokens: int, age_bound_s: float) -> None:
         self._read = read
         self.push_interval_s = push_interval_s
-        self.kv_step_tokens = max(1, kv_step_tokens)
+        self.kv_step_tokens = max(1, block_size, kv_capacity_tokens // KV_STEPS)
         self.age_bound_s = age_bound_s
         self.latest: EngineStateReport | None = None
         self.seq = 0
@@ -107,6 +108,12 @@ class StatePublisher:
                 yield self.latest
                 continue  # newer versions may have come while the reader was away
             await asyncio.shield(self._published)
+
+    def call_arrived(self, state_seq: int, decided_at: float) -> None:
+        """A router's call reached the engine (its ledger moved): measure the age of the state it was
+        decided on, and push the change."""
+        self.age_at_decision(state_seq, decided_at)
+        self.poke()
 
     def age_at_decision(self, state_seq: int, decided_at: float) -> float:
         """How long the state a router decided on (`state_seq`, at `decided_at`) had been out of date;

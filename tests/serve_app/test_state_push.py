@@ -49,7 +49,7 @@ def test_moved_counts_routing_signals_and_whole_kv_steps_only():
 @in_loop
 async def test_a_burst_of_changes_is_one_version_and_an_idle_engine_sends_nothing():
     e = Engine()
-    pub = StatePublisher(e.read, push_interval_s=0.02, kv_step_tokens=16, age_bound_s=0.02)
+    pub = StatePublisher(e.read, push_interval_s=0.02, block_size=16, kv_capacity_tokens=0, age_bound_s=0.02)
     got: list[EngineStateReport] = []
 
     async def reader():
@@ -78,7 +78,7 @@ async def test_a_burst_of_changes_is_one_version_and_an_idle_engine_sends_nothin
 @in_loop
 async def test_a_change_below_the_kv_step_is_published_only_when_asked_for_exactly():
     e = Engine()
-    pub = StatePublisher(e.read, push_interval_s=0.0, kv_step_tokens=128, age_bound_s=0.02)
+    pub = StatePublisher(e.read, push_interval_s=0.0, block_size=16, kv_capacity_tokens=128 * 64, age_bound_s=0.02)
     await pub.publish()
     e.report = replace(e.report, kv_used_tokens=16, prefix_cache_hits=3)
     assert (await pub.publish()).seq == 1  # a block and a counter: no routing signal moved
@@ -91,7 +91,7 @@ async def test_a_change_below_the_kv_step_is_published_only_when_asked_for_exact
 @in_loop
 async def test_every_watcher_gets_the_latest_version_and_a_slow_one_skips_to_it():
     e = Engine()
-    pub = StatePublisher(e.read, push_interval_s=0.0, kv_step_tokens=16, age_bound_s=0.02)
+    pub = StatePublisher(e.read, push_interval_s=0.0, block_size=16, kv_capacity_tokens=0, age_bound_s=0.02)
     await pub.publish()
     fast = pub.watch()
     assert (await anext(fast)).seq == 1
@@ -107,7 +107,7 @@ async def test_every_watcher_gets_the_latest_version_and_a_slow_one_skips_to_it(
 @in_loop
 async def test_the_age_of_a_decision_is_how_long_its_version_had_been_superseded():
     e = Engine()
-    pub = StatePublisher(e.read, push_interval_s=0.0, kv_step_tokens=16, age_bound_s=0.02)
+    pub = StatePublisher(e.read, push_interval_s=0.0, block_size=16, kv_capacity_tokens=0, age_bound_s=0.02)
     await pub.publish()
     now = time.time()
     assert pub.age_at_decision(1, now) == 0.0  # current
