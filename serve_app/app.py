@@ -42,7 +42,9 @@ def placement(pool: PoolConfig) -> dict:
             "placement_group_strategy": "STRICT_PACK"}
 
 
-def _pool_options(name: str, pool: PoolConfig, access_log: bool) -> dict:
+def _pool_options(name: str, pool: PoolConfig, access_log: bool, state_streams: int) -> dict:
+    """`state_streams`: the router replicas' state streams each engine replica holds (one each; with
+    router autoscaling, its minimum)."""
     opts = {
         "name": name,
         "max_ongoing_requests": pool.max_ongoing_requests,
@@ -59,7 +61,7 @@ def _pool_options(name: str, pool: PoolConfig, access_log: bool) -> dict:
         "logging_config": {"enable_access_log": access_log},
     }
     if pool.autoscaling:
-        opts["autoscaling_config"] = pool.autoscaling.to_serve(pool.num_replicas)
+        opts["autoscaling_config"] = pool.autoscaling.to_serve(pool.num_replicas, state_streams)
     else:
         opts["num_replicas"] = pool.num_replicas
     return opts
@@ -74,11 +76,13 @@ def _engine_pools(cfg: AppConfig, prefix: str = "") -> dict[str, serve.Applicati
     plain = cfg.model_dump(mode="json")
     engine = serve.deployment(StandInEngine if cfg.engine.stand_in else EngineServer)
     extra = {"wire_names": vllm_wire_names()} if cfg.engine.stand_in else {}
+    routers = cfg.router.autoscaling.min_replicas if cfg.router.autoscaling else cfg.router.num_replicas
     bound: dict[str, serve.Application] = {}
     for name in sorted(cfg.pools(), key=lambda n: n != "prefill"):  # prefill first: decode binds it
         role = POOL_ROLES[name]
         peer = (bound[Role.PREFILL.value],) if role is Role.DECODE else ()
-        bound[role.value] = (engine.options(**_pool_options(prefix + name, cfg.pools()[name], cfg.engine.access_log))
+        bound[role.value] = (engine.options(**_pool_options(prefix + name, cfg.pools()[name], cfg.engine.access_log,
+                                                            routers))
                              .bind(plain, role.value, *peer, **extra))
     return bound
 

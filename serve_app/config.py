@@ -215,12 +215,15 @@ class AutoscalingConfig(_Strict):
             raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
         return self
 
-    def to_serve(self, initial: int) -> dict:
+    def to_serve(self, initial: int, standing: int = 0) -> dict:
+        """Serve's autoscaling config. `standing`: calls every replica holds open whatever the load
+        (each router replica's state stream on an engine): added to the target, so that it counts
+        requests only."""
         return {
             "min_replicas": self.min_replicas,
             "max_replicas": self.max_replicas,
             "initial_replicas": max(self.min_replicas, min(initial, self.max_replicas)),
-            "target_ongoing_requests": self.target_ongoing_requests,
+            "target_ongoing_requests": self.target_ongoing_requests + standing,
             "upscale_delay_s": self.upscale_delay_s,
             "downscale_delay_s": self.downscale_delay_s,
         } | ({"policy": {"policy_function": PLANNER_POLICY}} if self.policy == "planner" else {})

@@ -140,6 +140,18 @@ def test_router_replicas_fixed_or_autoscaled():
     assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (1, 4, 2)
 
 
+def test_an_engine_pool_autoscaled_on_ongoing_requests_does_not_count_the_routers_state_streams():
+    """Each router replica keeps one state stream open on every engine replica: the target Serve
+    compares ongoing requests with is the configured one plus those streams."""
+    args = _args("disagg.yaml")
+    _, _, decode = _graph(args)
+    routers = args["router"].get("num_replicas", 1)
+    assert decode._deployment_config.autoscaling_config.target_ongoing_requests == 32 + routers
+    args["router"]["num_replicas"] = 4
+    _, _, decode = _graph(args)
+    assert decode._deployment_config.autoscaling_config.target_ongoing_requests == 36
+
+
 def test_cluster_yaml_holds_the_production_graph():
     """cluster.yaml (the Ray cluster launcher's file) gives disagg.yaml's engines a GPU each at their
     widest, installs the GPU extra on every node and starts Ray with Serve's fast path."""

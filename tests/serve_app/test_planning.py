@@ -27,10 +27,11 @@ def _args(name: str) -> dict:
 def test_the_shipped_autoscale_profile_hands_its_decode_pool_to_the_planner():
     cfg = parse_args(_args("local-autoscale.yaml"))
     assert isinstance(cfg, AppConfig) and cfg.router.planned_pools(cfg.pools()) == ["decode"]
-    serve = _pool_options("decode", cfg.decode, False)["autoscaling_config"]
+    serve = _pool_options("decode", cfg.decode, False, cfg.router.num_replicas)["autoscaling_config"]
     assert serve["policy"] == {"policy_function": PLANNER_POLICY}
     assert (serve["min_replicas"], serve["max_replicas"]) == (1, 3)
-    assert "policy" not in _pool_options("prefill", cfg.prefill, False).get("autoscaling_config", {})
+    assert "policy" not in _pool_options("prefill", cfg.prefill, False, cfg.router.num_replicas).get(
+        "autoscaling_config", {})
     assert cfg.router.planner.interval_s == 5
     again = parse_args(cfg.model_dump(mode="json"))  # Serve hands the router the dumped config
     assert again.router.planner == cfg.router.planner
