@@ -6,6 +6,9 @@
 - `set_cost_model(body)`: reload a model's cost model: a shipped profile name, or a YAML file inside
   `router.cost_model_dir` (`access.CostModelFiles`; anything else is one 400 that does not
   say whether the path exists);
+- `prefix(body)`: what this router replica's prefix index says each instance holds of a prompt,
+  `{"prompt_token_ids": [...], "model"}`: its leading cached tokens, and whether that comes from
+  the engine's KV events or the router's model of the cache;
 - `reset_prefix_cache()`: drop every engine's cached prefixes (between benchmark runs), and
   `forget_prefixes()` this router replica's index of them (the ingress has every replica do it);
 - `probe(body)`: one calibration measurement on exactly one instance (`disagg calibrate --live`):
@@ -26,6 +29,7 @@ from typing import Mapping
 from disagg.core.cost_model import CostModelError
 from disagg.core.ledger import Ledger
 from disagg.core.policies import PolicyError, build_policy, known_policies
+from disagg.core.prefix_index import prompt_block_hashes
 from serve_app.access import CostModelFiles
 from serve_app.messages import ProbeCall, ProbeKind
 from serve_app.openai_api import ApiError
@@ -70,6 +74,7 @@ class Admin:
                                           "backlog_s": self.ledger.backlog_s(i.instance_id),
                                           "queued": self.ledger.queued(i.instance_id),
                                           "prefix_index_blocks": self._indexed_blocks(i.model, i.instance_id),
+                                          "prefix_source": self._prefix_source(i.model, i.instance_id),
                                           **self._constants(i)}
                           for i in self.registry.instances.values()},
             "in_flight": len(self.ledger), "counters": asdict(self.counters),
@@ -87,6 +92,44 @@ class Admin:
         """Blocks this router replica's prefix index believes the instance holds."""
         index = self.models[model].prefix_index
         return index.blocks_held().get(instance_id, 0) if index else 0
+
+    def _prefix_source(self, model: str, instance_id: str) -> str:
+        """"events" (the engine's KV events), "model" (what the router sent where) or "none" (nothing known)."""
+        index = self.models[model].prefix_index
+        if index is None or index.lookup(instance_id) is None:
+            return "none"
+        return "events" if index.exact(instance_id) else "model"
+
+    def prefix(self, raw_body: bytes) -> dict:
+        """What this replica's index says each of a model's instances holds of a prompt."""
+        try:
+            body = json.loads(raw_body)
+            if not isinstance(body, dict):
+                raise TypeError
+        except (json.JSONDecodeError, TypeError, UnicodeDecodeError):
+            raise ApiError('body must be {"prompt_token_ids": [<int>, ...], "model": <name>}',
+                           param="prompt_token_ids") from None
+        ids = body.get("prompt_token_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ApiError("prompt_token_ids must be a non-empty list of integers", param="prompt_token_ids")
+        targets = self._targets(body)
+        if len(targets) != 1:
+            raise ApiError(f"model is required when several are served: {sorted(self.models)}", param="model")
+        m = targets[0]
+        index = m.prefix_index
+        if index is None:
+            return {"model": m.name, "block_tokens": None, "instances": {}}
+        hashes = prompt_block_hashes(ids, index.block_tokens)
+        reusable = (len(ids) - 1) // index.block_tokens  # vLLM recomputes a prompt's last token
+
+        def cached_tokens(instance_id: str) -> int:
+            lookup = index.lookup(instance_id)
+            return min(lookup(hashes), reusable) * index.block_tokens if lookup else 0
+
+        return {"model": m.name, "block_tokens": index.block_tokens,
+                "instances": {i.instance_id: {"role": i.role.value, "cached_tokens": cached_tokens(i.instance_id),
+                                              "source": self._prefix_source(m.name, i.instance_id)}
+                              for i in self.registry.instances.values() if i.model == m.name}}
 
     def _targets(self, body: dict) -> list[ServedModel]:
         """The models an admin call applies to: `model` in the body, else all of them."""

@@ -157,6 +157,9 @@ class EngineConfig(_Strict):
                                    "routers at most this often (a burst of changes makes one report)")
     state_age_bound_s: float = Field(default=0.02, gt=0.0, description="a call decided on engine state older "
                                      "than this is counted in the engine's stale_decisions")
+    kv_events: bool = Field(default=True, description="engines publish vLLM's KV-cache events and push what their "
+                            "prefix caches hold to the routers (exact prefix state); off: the routers model each "
+                            "cache from what they sent where")
     kv_transfer: KvTransferSettings = Field(default_factory=KvTransferSettings)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra vLLM AsyncEngineArgs fields")
     stand_in: bool = Field(default=False, description="the fleet-scale rig: engine replicas are stand-ins "

@@ -287,7 +287,7 @@ class Dispatcher:
                 f.cached_predicted[side] = min(v.cached_prefix_blocks(f.prefix_hashes), reusable) * block
         for iid in {d.prefill_id, d.decode_id}:
             if (inst := self.registry.get(iid)) is not None:
-                index.record(iid, f.prefix_hashes, inst.polled.kv_capacity_tokens)
+                index.record(iid, f.prefix_hashes, inst.polled.kv_capacity_tokens, f.t_arrival)
 
     def _note_output(self, f: Flight) -> None:
         """The decode that served `f` caches its prompt and output (all but the last token's KV,
@@ -298,7 +298,7 @@ class Dispatcher:
             return
         sequence = f.prompt_ids + f.output_ids[:-1]
         index.record(inst.instance_id, prompt_block_hashes(sequence, index.block_tokens, f.prefix_hashes),
-                     inst.polled.kv_capacity_tokens)
+                     inst.polled.kv_capacity_tokens, time.monotonic())
 
     # --- the prefill ---------------------------------------------------------------------------
 

@@ -168,6 +168,35 @@ RUNTIME_DIR_VAR = "DISAGG_RUNTIME_DIR"
 ENGINE_PROCESS_MARKERS = ("EngineCore", "VLLM::EngineCore", "VLLM::Worker")
 
 
+def engine_processes_under(pid: int) -> dict[int, str]:
+    """The vLLM engine processes descended from process `pid`: {pid: command line}, from /proc.
+
+    Parent links only, no start-time check: psutil's `children()` drops a child whose start time
+    reads earlier than its parent's, and it adds the boot time read anew each call, which moves
+    with the wall clock (a clock step on a VM hides every child)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:  # gone since the listing
+                continue
+            parents[int(entry)] = int(stat[stat.rfind(b")") + 2:].split()[1])
+    found, frontier = {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child in (c for c, p in parents.items() if p == parent and c not in found):
+            try:
+                with open(f"/proc/{child}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue
+            found[child] = cmd
+            frontier.append(child)
+    return {c: cmd for c, cmd in found.items() if any(m in cmd for m in ENGINE_PROCESS_MARKERS)}
+
+
 def make_runtime_dir() -> str:
     """A private folder for one engine's IPC sockets, under `$DISAGG_RUNTIME_DIR` (a launcher's own
     folder, removed at its stop) or the system temp folder. vLLM names a socket per engine start
@@ -306,7 +335,7 @@ class VllmEngine:
 
     def _create(self, box: _Handover) -> None:
         """Blocking part of start(), run in a worker thread so the event loop stays responsive."""
-        from vllm.config import KVTransferConfig
+        from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -317,6 +346,8 @@ class VllmEngine:
                              "vLLM reserves 90% of host RAM for one engine's KV cache)")
         kwargs = engine_kwargs(spec)
         kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
+        if "kv_events_config" in kwargs:
+            kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
         args = AsyncEngineArgs(**kwargs)
 
         env: dict[str, str | None] = dict(engine_env(spec, cpu_platform=cpu))

@@ -38,8 +38,9 @@ NIXL_BACKENDS = ("UCX", "LIBFABRIC", "GDS", "GDS_MT", "POSIX", "Mooncake")
 # Fields vLLM must not take from `engine_kwargs`: the spec sets them, or the router's contract needs
 # them (one replica = one engine of one process group; the multiprocessing executor).
 RESERVED_ENGINE_KWARGS = frozenset({
-    "kv_transfer_config", "stat_loggers", "pipeline_parallel_size", "data_parallel_size",
+    "kv_transfer_config", "kv_events_config", "stat_loggers", "pipeline_parallel_size", "data_parallel_size",
     "distributed_executor_backend"})
+KV_EVENTS_SOCKET = "kv-events"  # in the engine's runtime folder: where its EngineCore publishes KV events
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,8 @@ class EngineSpec:
     # CUDA_VISIBLE_DEVICES for the engine's processes; None: the replica's (Ray sets it per GPU actor).
     # Set where one process starts several GPU engines (`disagg calibrate --config`).
     visible_devices: str | None = None
+    # publish vLLM's KV-cache events (on an IPC socket in `runtime_dir`): the routers' exact prefix state
+    kv_events: bool = True
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # extra AsyncEngineArgs fields
 
     def __post_init__(self) -> None:
@@ -128,9 +131,25 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
     }
 
 
+def kv_events_endpoint(spec: EngineSpec) -> str | None:
+    """Where the engine publishes its KV-cache events (a ZeroMQ IPC socket its replica subscribes
+    to); None when events are off or the spec has no runtime folder to put the socket in."""
+    if not spec.kv_events or spec.runtime_dir is None:
+        return None
+    return f"ipc://{spec.runtime_dir}/{KV_EVENTS_SOCKET}"
+
+
+def kv_events_config(spec: EngineSpec) -> dict[str, Any] | None:
+    """vLLM's `KVEventsConfig` fields for `spec`, or None (events off)."""
+    endpoint = kv_events_endpoint(spec)
+    if endpoint is None:
+        return None
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+
+
 def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
-    """vLLM's `AsyncEngineArgs` fields for `spec`; `kv_transfer_config` as the dict of
-    `kv_transfer_config(spec)` (the caller builds vLLM's `KVTransferConfig` from it)."""
+    """vLLM's `AsyncEngineArgs` fields for `spec`; `kv_transfer_config` and `kv_events_config` as the
+    dicts of the functions of those names (the caller builds vLLM's config objects from them)."""
     kwargs: dict[str, Any] = {
         "model": spec.model,
         "max_model_len": spec.max_model_len,
@@ -144,6 +163,8 @@ def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
         "disable_log_stats": True,
         "kv_transfer_config": kv_transfer_config(spec),
     }
+    if (events := kv_events_config(spec)) is not None:
+        kwargs["kv_events_config"] = events
     if kwargs["distributed_executor_backend"] is None:
         del kwargs["distributed_executor_backend"]  # one worker: vLLM's own choice (in-process)
     for name in _OPTIONAL_ARGS:

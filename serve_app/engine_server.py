@@ -33,6 +33,7 @@ import itertools
 import logging
 import os
 import random
+import signal
 import statistics
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -41,18 +42,21 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from disagg.core.kv_event_fold import KvEventFold
 from disagg.core.ledger import AdmittedWork
+from disagg.core.prefix_index import index_block_tokens
 from disagg.core.types import Role
 from serve_app.autoscale import PLANNED_WIDTH
 from serve_app.config import AppConfig
-from serve_app.engine import ENGINE_PROCESS_MARKERS, RequestAborted, VllmEngine
-from serve_app.engine_args import EngineSpec
+from serve_app.engine import RequestAborted, VllmEngine, engine_processes_under
+from serve_app.engine_args import EngineSpec, kv_events_endpoint
 from serve_app.messages import (
     DecodeCall, DecodeChunk, EngineStateReport, GenerateCall, InvalidRequest, OutputDelta, PrefillCall,
     PrefillReply, ProbeCall, ProbeKind, ProbeReply,
 )
 from serve_app.ports import claim_port
 from serve_app.probes import first_output_s, median_step_s, random_prompt
+from serve_app.kv_events import KvEventFollower
 from serve_app.state_push import StatePublisher
 from serve_app.tiny_model import resolve_model
 
@@ -82,6 +86,7 @@ def engine_spec(cfg: AppConfig, role: Role, side_channel_host: str, port: int) -
         tensor_parallel_size=cfg.pool_of(role).tensor_parallel_size,
         enforce_eager=e.enforce_eager,
         seed=e.seed,
+        kv_events=e.kv_events,
         engine_kwargs=e.engine_kwargs,
     )
 
@@ -165,13 +170,10 @@ async def prefill_remote(pool: DeploymentHandle, request_id: str, prompt: list[i
 
 def kill_engine_children() -> None:
     """SIGKILL this process's vLLM engine processes (an engine that never finished starting)."""
-    import psutil
-
-    for child in psutil.Process(os.getpid()).children(recursive=True):
+    for pid in engine_processes_under(os.getpid()):
         try:
-            if any(m in " ".join(child.cmdline()) or m in child.name() for m in ENGINE_PROCESS_MARKERS):
-                child.kill()
-        except psutil.Error:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
 
 
@@ -249,21 +251,32 @@ class EngineServer:
         self.admitted = AdmittedWork()  # what each router has sent here and not seen end: routers read it
         self.planned_width: int | None = None  # this pool's width as the router's planner last set it
         self.publisher: StatePublisher | None = None  # from the end of the warm-up on
+        self.kv_events: KvEventFollower | None = None  # with KV events on, from the engine's start on
         self.port = claim_port(host, cfg.engine.side_channel_ports)
         self.engine = VllmEngine(engine_spec(cfg, self.role, host, self.port.port))
         try:
             await _bounded(self.engine.start(), cfg.engine.start_timeout_s, "engine start")
+            if (endpoint := kv_events_endpoint(self.engine.spec)) is not None:  # before any block is stored
+                fold = KvEventFold(index_block_tokens((await self.engine.state()).block_size))
+                self.kv_events = KvEventFollower(endpoint, fold, self._poke)
             await _bounded(warm_up(self.engine, self.role, prefill_pool, self.replica_id),
                            cfg.engine.warmup_timeout_s, "warm-up handoff")
         except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.close()
             await self.engine.shutdown()
             kill_engine_children()  # an engine stuck in start-up never reaches the handover
             self.port.release()
             raise
         s = await self.engine.state()
         self.publisher = StatePublisher(self._report, cfg.engine.push_interval_s, s.block_size,
-                                        s.kv_capacity_tokens, cfg.engine.state_age_bound_s)
+                                        s.kv_capacity_tokens, cfg.engine.state_age_bound_s,
+                                        self.kv_events.fold if self.kv_events else None)
         self.engine.on_step(self.publisher.poke)
+
+    def _poke(self) -> None:
+        if self.publisher is not None:  # None during the warm-up only
+            self.publisher.poke()
 
     def _admit(self, call: PrefillCall | GenerateCall | DecodeCall) -> None:
         """Hold the call in this engine's ledger, and measure how old the state it was decided on was."""
@@ -273,8 +286,7 @@ class EngineServer:
 
     def _release(self, call: PrefillCall | GenerateCall | DecodeCall) -> None:
         self.admitted.remove(call.router, call.work_s)
-        if self.publisher is not None:
-            self.publisher.poke()
+        self._poke()
 
     async def prefill(self, call: PrefillCall, replica: str | None = None) -> PrefillReply:
         self._admit(call)
@@ -372,7 +384,8 @@ class EngineServer:
             prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
             kv_transfers_ok=s.kv_transfers_ok, kv_transfers_failed=s.kv_transfers_failed,
             kv_received_tokens=s.kv_received_tokens, admitted=self.admitted.totals(), pid=os.getpid(),
-            block_size=s.block_size, node_id=self.node_id)
+            block_size=s.block_size, node_id=self.node_id,
+            kv_events_missed=self.kv_events.missed + self.kv_events.fold.unattributed if self.kv_events else 0)
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
@@ -412,5 +425,7 @@ class EngineServer:
     async def __del__(self) -> None:
         if self.publisher is not None:
             self.publisher.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         await self.engine.shutdown()
         self.port.release()

@@ -130,6 +130,18 @@ class DecodeChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixUpdate:
+    """What changed in an engine's prefix cache, in the router's block hashes (from vLLM's KV events,
+    `disagg.core.kv_event_fold`), pushed to one router with a state version."""
+
+    seq: int  # the engine's prefix version this brings the router to
+    since: int  # the version it applies on top of (0 with `snapshot`)
+    added: frozenset[int]  # hashes now held (with `snapshot`: all of them)
+    removed: frozenset[int] = frozenset()  # hashes no longer held
+    snapshot: bool = False  # replace what the router knows of this engine's cache, not apply
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStateReport:
     """One engine's load signals as of its latest scheduler step (counters are cumulative since start)."""
 
@@ -151,10 +163,13 @@ class EngineStateReport:
     seq: int = 0  # this state's version (`serve_app.state_push`): calls name the one they were decided on
     decisions: int = 0  # calls that named the version they were decided on (cumulative)
     stale_decisions: int = 0  # ... of which on a version older than the freshness bound (`state_age_bound_s`)
+    prefix_seq: int = 0  # the version of its prefix cache, from vLLM's KV events (0: events are off)
+    kv_events_missed: int = 0  # event batches lost, and blocks stored under a parent never seen (cumulative)
+    prefixes: PrefixUpdate | None = None  # pushed to one router: its prefix cache since that router's last update
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-safe (the role as its value), for `/admin/state`."""
-        return {f.name: getattr(self, f.name) for f in fields(self)} | {"role": self.role.value}
+        """JSON-safe (the role as its value), for `/admin/state`; without the pushed prefix hashes."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "prefixes"} | {"role": self.role.value}
 
 
 class ProbeKind(str, Enum):

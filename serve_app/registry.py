@@ -13,8 +13,8 @@ What the policy sees of an instance (`views`) merges the router's in-flight ledg
 work, queue, prompts admitted since the last report) with the instance's latest report (KV use,
 and the work the *other* router replicas have sent there, from the engine's own per-router
 ledger), and
-the prefixes the model's `PrefixIndex` believes it holds (hashed in multiples of the KV block size
-the engines report).
+the prefixes the model's `PrefixIndex` holds for it (hashed in multiples of the KV block size the
+engines report): exact where the engine pushes its KV events with its state, a model elsewhere.
 A poll or stream failure is logged once per distinct failure; a pool with no running replica yet
 (start-up) is simply empty.
 """
@@ -162,14 +162,17 @@ class InstanceRegistry:
     def _seen(self, model: ServedModel, role: Role, r: EngineStateReport, now: float) -> str:
         """Take a report (pushed or polled); the instance's id."""
         iid = f"{model.id_prefix}{role.value}-{r.replica}"
+        if model.prefix_index is None and r.block_size > 0:  # one model's engines share one block size
+            model.prefix_index = PrefixIndex(index_block_tokens(r.block_size))
+        if (p := r.prefixes) is not None and model.prefix_index is not None:  # pushed: taken whatever its seq
+            model.prefix_index.apply(iid, seq=p.seq, since=p.since, added=p.added, removed=p.removed,
+                                     snapshot=p.snapshot, now=now)
         inst = self.instances.get(iid)
         if inst is not None and r.seq and r.seq <= inst.report.seq:  # a poll's answer no newer than the push
             inst.last_seen = now
             return iid
         others_s, others_n = others(r.admitted, self.router_id)  # what the other router replicas sent there
         polled = PolledState(r.kv_used_tokens, r.kv_capacity_tokens, r.running, r.waiting, others_s, others_n)
-        if model.prefix_index is None and r.block_size > 0:  # one model's engines share one block size
-            model.prefix_index = PrefixIndex(index_block_tokens(r.block_size))
         if inst is None:
             self.instances[iid] = Instance(iid, role, model.name, r.replica, r, polled, now)
             logger.info("router: instance %s joined", iid)

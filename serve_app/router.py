@@ -279,13 +279,14 @@ class Router:
         """Another router replica's prefix records (see `PrefixIndex`); for live instances only."""
         if sender == self.router_id:
             return
+        now = time.monotonic()
         for name, records in batch.items():
             m = self.served.get(name)
             if m is None or m.prefix_index is None:
                 continue
             for iid, hashes, capacity in records:
                 if self.registry.get(iid) is not None:
-                    m.prefix_index.record(iid, hashes, capacity, share=False)
+                    m.prefix_index.record(iid, hashes, capacity, now, share=False)
 
     async def _export_metrics(self) -> None:
         """The counters, each instance's load and the loop's lag, to Prometheus once a second."""
@@ -415,6 +416,16 @@ class Router:
             return refused
         try:
             return JSONResponse(await self.admin.probe(await request.body()))
+        except ApiError as e:
+            return _error(e)
+
+    @fastapi_app.post("/admin/prefix")
+    async def admin_prefix(self, request: Request) -> Response:
+        """What this replica's prefix index says each instance holds of a prompt (token ids)."""
+        if (refused := self.access.admin(request)) is not None:
+            return refused
+        try:
+            return JSONResponse(self.admin.prefix(await request.body()))
         except ApiError as e:
             return _error(e)
 

@@ -23,11 +23,13 @@ from collections import deque
 from dataclasses import replace
 from typing import AsyncIterator, Awaitable, Callable
 
-from serve_app.messages import EngineStateReport
+from disagg.core.kv_event_fold import KvEventFold
+from serve_app.messages import EngineStateReport, PrefixUpdate
 
 KV_STEPS = 64  # KV use is pushed when it moves by 1/64 of the cache (at least a block)
 CHANGE_HISTORY = 4096  # versions remembered for ages (a call decided on an older one is counted as old as the oldest)
 AGE_SAMPLES = 65536  # ages kept for the benchmarks between two reads
+PREFIX_LOG = 256  # prefix deltas kept for the streams; a router further behind gets a snapshot
 
 
 def moved(a: EngineStateReport | None, b: EngineStateReport, kv_step_tokens: int) -> bool:
@@ -35,17 +37,21 @@ def moved(a: EngineStateReport | None, b: EngineStateReport, kv_step_tokens: int
     with every few decode steps, and a router cannot price a difference of one block.)"""
     return (a is None or a.running != b.running or a.waiting != b.waiting or a.admitted != b.admitted
             or abs(a.kv_used_tokens - b.kv_used_tokens) >= kv_step_tokens
-            or a.kv_capacity_tokens != b.kv_capacity_tokens or a.block_size != b.block_size)
+            or a.kv_capacity_tokens != b.kv_capacity_tokens or a.block_size != b.block_size
+            or a.prefix_seq != b.prefix_seq)
 
 
 class StatePublisher:
     """One engine replica's state versions, and the streams that push them (see the module docstring).
 
-    `read`: the replica's current report (its `seq`, `decisions` and `stale_decisions` are filled
-    in here). Runs on the replica's event loop; `poke` may be called from any code on that loop."""
+    `read`: the replica's current report (its `seq`, `decisions`, `stale_decisions` and `prefix_seq`
+    are filled in here). `prefixes`: the engine's prefix cache from its KV events, if they are on;
+    each stream then carries what changed in it since that stream's previous version (a snapshot
+    first). Runs on the replica's event loop; `poke` may be called from any code on that loop."""
 
     def __init__(self, read: Callable[[], Awaitable[EngineStateReport]], push_interval_s: float,
-                 block_size: int, kv_capacity_tokens: int, age_bound_s: float) -> None:
+                 block_size: int, kv_capacity_tokens: int, age_bound_s: float,
+                 prefixes: KvEventFold | None = None) -> None:
         self._read = read
         self.push_interval_s = push_interval_s
         self.kv_step_tokens = max(1, block_size, kv_capacity_tokens // KV_STEPS)
@@ -59,6 +65,9 @@ class StatePublisher:
         self.ages: deque[float] = deque(maxlen=AGE_SAMPLES)
         self.decisions = 0
         self.stale_decisions = 0
+        self.prefixes = prefixes
+        self.prefix_seq = 0
+        self._prefix_log: deque[tuple[int, frozenset[int], frozenset[int]]] = deque(maxlen=PREFIX_LOG)
         self._task = asyncio.create_task(self._run())
 
     def poke(self) -> None:
@@ -81,6 +90,12 @@ class StatePublisher:
         latest version either way."""
         changed_at, self._dirty_since = self._dirty_since, None
         r = await self._read()
+        if self.prefixes is not None:
+            added, removed = self.prefixes.take_delta()
+            if added or removed:
+                self.prefix_seq += 1
+                self._prefix_log.append((self.prefix_seq, added, removed))
+            r = replace(r, prefix_seq=self.prefix_seq)
         if self.latest is not None and not (
                 moved(self.latest, r, self.kv_step_tokens) or exact and r != self._unversioned(self.latest)):
             return self.latest
@@ -98,16 +113,42 @@ class StatePublisher:
         return replace(r, seq=0, decisions=0, stale_decisions=0)
 
     async def watch(self) -> AsyncIterator[EngineStateReport]:
-        """Every version from the current one on, each once; the latest when the reader falls behind."""
+        """Every version from the current one on, each once; the latest when the reader falls behind.
+        With prefixes, each carries the change since the reader's previous one (a snapshot first)."""
         if self.latest is None:
             await self.publish()
-        seen = 0
+        seen, prefixes_seen = 0, None
         while True:
             if self.seq != seen:
                 seen = self.seq
-                yield self.latest
+                update = self._prefix_update(prefixes_seen)
+                if update is None:
+                    yield self.latest
+                else:
+                    prefixes_seen = update.seq
+                    yield replace(self.latest, prefixes=update)
                 continue  # newer versions may have come while the reader was away
             await asyncio.shield(self._published)
+
+    def _prefix_update(self, seen: int | None) -> PrefixUpdate | None:
+        """What a reader that has prefix version `seen` (None: none yet) is owed: nothing, the deltas
+        since, or a snapshot when the deltas it misses are no longer kept. A snapshot may already
+        hold changes not yet versioned; the delta that versions them then changes nothing (set
+        operations are idempotent)."""
+        if self.prefixes is None or seen == self.prefix_seq:
+            return None
+        log = self._prefix_log
+        if seen is None or not log or log[0][0] > seen + 1:
+            return PrefixUpdate(self.prefix_seq, 0, self.prefixes.held, snapshot=True)
+        added: set[int] = set()
+        removed: set[int] = set()
+        for s, a, r in log:
+            if s > seen:
+                added.difference_update(r)
+                added.update(a)
+                removed.difference_update(a)
+                removed.update(r)
+        return PrefixUpdate(self.prefix_seq, seen, frozenset(added), frozenset(removed))
 
     def call_arrived(self, state_seq: int, decided_at: float) -> None:
         """A router's call reached the engine (its ledger moved): measure the age of the state it was

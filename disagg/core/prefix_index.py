@@ -1,7 +1,13 @@
-"""The live router's approximate index of which prompt prefixes each engine instance holds cached.
+"""The live router's index of which prompt prefixes each engine instance holds cached.
 
-Nothing asks the engines: like Ray Serve LLM's and llm-d's approximate prefix routers, the router
-remembers what it sent where. A prompt is cut into blocks of `block_tokens` tokens and each full
+Exact where the engines publish vLLM's KV-cache events (`engine.kv_events`, the default): each
+engine folds them into these hashes (`disagg.core.kv_event_fold`) and pushes what changed with its
+state, so the index follows the engine, evictions under load included (`apply`). Until an engine's
+events confirm a prompt it was just sent, the prompt counts as held for `PENDING_S` (a burst
+sharing a prefix lands together).
+
+Where events are off the index is a model: like Ray Serve LLM's and llm-d's approximate prefix
+routers, the router remembers what it sent where. A prompt is cut into blocks of `block_tokens` tokens and each full
 block gets a hash naming the whole prefix up to its end (`prompt_block_hashes`), the convention of
 the simulator's traces, so the same `PrefixCache` model (LRU over blocks) serves both.
 
@@ -35,6 +41,7 @@ from collections.abc import Sequence
 from disagg.core.prefix_cache import PrefixCache
 from disagg.core.types import PrefixLookup
 
+PENDING_S = 2.0  # a prompt routed to an instance with exact state counts as held this long unless confirmed
 MIN_INDEX_BLOCK_TOKENS = 64  # hash at least this many tokens per block: bounds hashing work on 16-token KV blocks
 OUTBOX_LIMIT = 4096  # records kept for the peers while none answers; the oldest are dropped beyond it
 
@@ -66,14 +73,47 @@ def prompt_block_hashes(token_ids: Sequence[int], block_tokens: int, known: tupl
     return tuple(hashes)
 
 
+class PrefixGap(Exception):
+    """An instance's prefix update does not follow the version the index holds (updates were lost)."""
+
+
+class ExactPrefixes:
+    """One instance's prefix cache as its engine reports it, and what was routed there since."""
+
+    __slots__ = ("held", "pending", "seq")
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+        self.pending: dict[int, float] = {}  # hash -> when it was routed here (monotonic s)
+        self.seq = 0  # the engine's prefix version held
+
+    def __len__(self) -> int:
+        return len(self.held) + sum(h not in self.held for h in self.pending)
+
+    def leading_hits(self, hashes: Sequence[int], limit: int | None = None) -> int:
+        held, pending = self.held, self.pending
+        n = 0
+        for h in hashes if limit is None else hashes[:limit]:
+            if h not in held and h not in pending:
+                break
+            n += 1
+        return n
+
+    def expire(self, now: float) -> None:
+        if self.pending:
+            cutoff = now - PENDING_S
+            self.pending = {h: t for h, t in self.pending.items() if t > cutoff}
+
+
 class PrefixIndex:
-    """Per instance, an LRU model of the prefix blocks it holds (see the module docstring)."""
+    """Per instance, the prefix blocks it holds: exact from its engine's events, else an LRU model
+    (see the module docstring)."""
 
     def __init__(self, block_tokens: int) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
         self.block_tokens = block_tokens
-        self._caches: dict[str, PrefixCache] = {}
+        self._caches: dict[str, PrefixCache | ExactPrefixes] = {}
         # one bound lookup per instance, kept: the ledger reuses a view while its lookup `is` the same
         self._lookups: dict[str, PrefixLookup] = {}
         self.outbox: list[Record] = []  # recorded here, not yet sent to the other router replicas
@@ -82,9 +122,38 @@ class PrefixIndex:
         """What a policy calls for this instance (`InstanceView.prefix_lookup`); None if nothing is known."""
         return self._lookups.get(instance_id)
 
-    def record(self, instance_id: str, hashes: tuple[int, ...], kv_capacity_tokens: int, share: bool = True) -> None:
-        """`instance_id` now holds the KV of these blocks (all of them: the hashes are of full blocks).
-        `share`: also queue the record for the other router replicas (False for theirs)."""
+    def exact(self, instance_id: str) -> bool:
+        """Whether the instance's entry follows its engine's KV events."""
+        return isinstance(self._caches.get(instance_id), ExactPrefixes)
+
+    def apply(self, instance_id: str, *, seq: int, since: int, added: frozenset[int], removed: frozenset[int],
+              snapshot: bool, now: float) -> None:
+        """The engine's prefix cache moved from version `since` to `seq`: `added` and `removed` hashes,
+        or with `snapshot` all it holds. Raises `PrefixGap` for a delta that does not follow the
+        version held (the caller resubscribes and gets a snapshot)."""
+        cache = self._caches.get(instance_id)
+        if not isinstance(cache, ExactPrefixes):
+            if not snapshot:
+                raise PrefixGap(f"{instance_id}: a prefix delta from version {since} before any snapshot")
+            cache = self._caches[instance_id] = ExactPrefixes()
+            self._lookups[instance_id] = cache.leading_hits
+        if snapshot:
+            cache.held = set(added)
+        elif since != cache.seq:
+            raise PrefixGap(f"{instance_id}: a prefix delta from version {since}, the index holds {cache.seq}")
+        else:
+            cache.held.difference_update(removed)
+            cache.held.update(added)
+        cache.seq = seq
+        for h in added:
+            cache.pending.pop(h, None)
+        cache.expire(now)
+
+    def record(self, instance_id: str, hashes: tuple[int, ...], kv_capacity_tokens: int, now: float,
+               share: bool = True) -> None:
+        """`instance_id` now holds the KV of these blocks (all of them: the hashes are of full blocks),
+        as of `now` (monotonic s). `share`: also queue the record for the other router replicas
+        (False for theirs)."""
         if not hashes:
             return
         if share:
@@ -92,6 +161,12 @@ class PrefixIndex:
             if len(self.outbox) > OUTBOX_LIMIT:
                 del self.outbox[:len(self.outbox) - OUTBOX_LIMIT]
         cache = self._caches.get(instance_id)
+        if isinstance(cache, ExactPrefixes):
+            cache.expire(now)
+            for h in hashes:
+                if h not in cache.held:
+                    cache.pending[h] = now
+            return
         capacity = max(0, kv_capacity_tokens // self.block_tokens)
         if cache is None:
             cache = self._caches[instance_id] = PrefixCache(capacity)
@@ -111,9 +186,12 @@ class PrefixIndex:
         self._lookups.pop(instance_id, None)
 
     def clear(self) -> None:
-        """Every engine's prefix cache was reset."""
-        self._caches.clear()
-        self._lookups.clear()
+        """Every engine's prefix cache was reset (those with events report it too, and keep their version)."""
+        for iid in [i for i, c in self._caches.items() if not isinstance(c, ExactPrefixes)]:
+            self.forget(iid)
+        for c in self._caches.values():
+            c.held.clear()
+            c.pending.clear()
         self.outbox.clear()
 
     def blocks_held(self) -> dict[str, int]:

@@ -18,12 +18,11 @@ import time
 from urllib.parse import urlsplit
 
 import httpx
-import psutil
 import pytest
 
 from disagg.bench.sse import DONE, SseDecoder, sse_data
 from factories import stream_text, stream_token_ids, tiny_tokenizer, vllm_text
-from serve_app.engine import ENGINE_PROCESS_MARKERS
+from serve_app.engine import engine_processes_under
 from unprovoked import killed_on_purpose, provoked
 
 pytestmark = pytest.mark.stack
@@ -48,21 +47,21 @@ def route(headers) -> dict:
     return dict(part.split("=", 1) for part in headers["x-disagg-route"].split("; "))
 
 
-def engine_pids(replica_pid: int) -> dict[int, str]:
-    """The vLLM engine processes of the replica process `replica_pid`: {pid: command line}."""
-    out = {}
-    for child in psutil.Process(replica_pid).children(recursive=True):
-        cmd = " ".join(child.cmdline())
-        if any(m in cmd or m in child.name() for m in ENGINE_PROCESS_MARKERS):
-            out[child.pid] = cmd
-    return out
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie waiting for its parent."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:].split()[0] != b"Z"
 
 
 def kill_engine_core(instance: dict) -> set[int]:
     """SIGKILL the EngineCore of the replica behind `instance` (an /admin/state entry); its engine pids."""
-    pids = engine_pids(instance["pid"])
-    core = [pid for pid, cmd in pids.items() if "EngineCore" in cmd] or list(pids)
-    assert core, f"no engine process under replica pid {instance['pid']}"
+    pids = engine_processes_under(instance["pid"])
+    core = [pid for pid, cmd in pids.items() if "EngineCore" in cmd]
+    assert core, f"no EngineCore under replica pid {instance['pid']}: {pids}"
     os.kill(core[0], signal.SIGKILL)
     return set(pids)
 
@@ -286,14 +285,19 @@ def test_a_router_replica_killed_mid_stream_ends_its_streams_and_comes_back_with
     assert time.monotonic() - t0 < 60, f"the stream took {time.monotonic() - t0:.0f} s to end ({ended})"
     wait_until_idle(client, timeout_s=10)  # the engine stopped decoding for the dead router (1,800 tokens take longer)
 
+    def answered_state() -> dict | None:
+        """The state, or None while the proxy still sends some calls to the dead replica (a 500)."""
+        try:
+            return state(client)
+        except (httpx.HTTPError, AssertionError):
+            return None
+
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # Serve replaces the router; the new one polls the engines
-        try:
-            s = state(client)
-        except (httpx.HTTPError, AssertionError):
-            s = None
+        s = answered_state()
+        # both replicas answer with every engine in view (4 reads: the proxy picks one per call)
         if s and router not in s["routers"] and len(s["routers"]) == len(before["routers"]) \
-                and all(set(state(client)["instances"]) == engines for _ in range(4)):
+                and all((x := answered_state()) and set(x["instances"]) == engines for _ in range(4)):
             break
         time.sleep(1)
     else:
@@ -318,15 +322,14 @@ def test_a_decode_replicas_worker_killed_takes_its_engine_processes_with_it_and_
     before = wait_until_idle(client)
     decodes = {k: v for k, v in before["instances"].items() if v["role"] == "decode"}
     victim, inst = sorted(decodes.items())[0]
-    engines = engine_pids(inst["pid"])
+    engines = engine_processes_under(inst["pid"])
     assert any("EngineCore" in cmd for cmd in engines.values()), f"no EngineCore under replica pid {inst['pid']}"
     os.kill(inst["pid"], signal.SIGKILL)
     t0 = time.monotonic()
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in engines) \
+    while any(running(p) for p in engines) \
             and time.monotonic() - t0 < ENGINE_GONE_S:
         time.sleep(0.2)
-    alive = {p: cmd for p, cmd in engines.items() if psutil.pid_exists(p)
-             and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+    alive = {p: cmd for p, cmd in engines.items() if running(p)}
     assert not alive, f"engine processes of the killed replica outlived it by {ENGINE_GONE_S:.0f} s: {alive}"
     after = wait_until_replaced(client, victim, "decode", len(decodes))
     killed_on_purpose(stack, set(engines), victim)

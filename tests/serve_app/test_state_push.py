@@ -10,8 +10,10 @@ from dataclasses import replace
 
 import pytest
 
-from serve_app.messages import EngineStateReport
-from serve_app.state_push import StatePublisher, moved
+from disagg.core.kv_event_fold import KvEventFold
+from disagg.core.prefix_index import prompt_block_hashes
+from serve_app.messages import EngineStateReport, PrefixUpdate
+from serve_app.state_push import PREFIX_LOG, StatePublisher, moved
 from tests.factories import idle_state
 
 
@@ -123,6 +125,60 @@ async def test_the_age_of_a_decision_is_how_long_its_version_had_been_superseded
     assert (await pub.publish()).stale_decisions == 1  # ... and reported
     assert pub.age_at_decision(0, now) == 0.0  # a call naming no version is not measured
     assert len(pub.take_ages()) == 3 and pub.take_ages() == []
+    pub.close()
+
+
+def _store(fold: KvEventFold, tokens: list[int]) -> tuple[int, ...]:
+    """The engine stored `tokens` (one event per 16-token block); the router's hashes of its prefixes."""
+    parent = None
+    for i in range(0, len(tokens), 16):
+        fold.stored(parent, [("b", i, tokens[0])], tokens[i:i + 16], 16)
+        parent = ("b", i, tokens[0])
+    return prompt_block_hashes(tokens, fold.index_block_tokens)
+
+
+@in_loop
+async def test_each_watcher_gets_a_snapshot_of_the_prefixes_then_the_net_change_since_its_last_version():
+    e = Engine()
+    fold = KvEventFold(64)
+    pub = StatePublisher(e.read, push_interval_s=0.0, block_size=16, kv_capacity_tokens=0, age_bound_s=0.02,
+                         prefixes=fold)
+    a = _store(fold, list(range(128)))
+    await pub.publish()
+    early = pub.watch()
+    first = (await anext(early)).prefixes
+    assert first.snapshot and first.added == frozenset(a) and first.seq == 1
+    b = _store(fold, list(range(500, 564)))
+    await pub.publish()
+    fold.removed([("b", 112, 0)])  # the tail block of `a` is evicted
+    r = await pub.publish()
+    assert r.prefix_seq == 3
+    update = (await anext(early)).prefixes  # one read for two versions: their net change
+    assert (update.snapshot, update.since, update.seq) == (False, 1, 3)
+    assert update.added == frozenset(b) and update.removed == frozenset(a[1:])
+    late = pub.watch()  # a router that joins now starts from everything held
+    assert (await anext(late)).prefixes == PrefixUpdate(3, 0, frozenset(a[:1] + b), snapshot=True)
+    e.report = replace(e.report, running=1)  # a version in which the prefixes did not move
+    await pub.publish()
+    assert (await anext(early)).prefixes is None and (await anext(late)).prefixes is None
+    pub.close()
+
+
+@in_loop
+async def test_a_watcher_behind_the_kept_deltas_gets_a_snapshot():
+    e = Engine()
+    fold = KvEventFold(64)
+    pub = StatePublisher(e.read, push_interval_s=0.0, block_size=16, kv_capacity_tokens=0, age_bound_s=0.02,
+                         prefixes=fold)
+    await pub.publish()
+    w = pub.watch()
+    assert (await anext(w)).prefixes.snapshot
+    held = set()
+    for i in range(PREFIX_LOG + 2):
+        held |= set(_store(fold, [7, i] * 32))
+        await pub.publish()
+    update = (await anext(w)).prefixes
+    assert update.snapshot and update.added == frozenset(held) and update.seq == PREFIX_LOG + 2
     pub.close()
 
 
