@@ -51,7 +51,8 @@ def _assert_nothing_failed_unprovoked(stack) -> None:
     state = _admin_state(stack.base_url)
     problems = unprovoked_failures(state["counters"], stack.provoked, stack.engines_at_start,
                                    set(engine_processes(stack.stack_id)), stack.instances_at_start,
-                                   set(state["instances"]))
+                                   set(state["instances"]),
+                                   {k: v["kv_events_missed"] for k, v in state["instances"].items()})
     assert not problems, "unprovoked failures during the live session: " + "; ".join(problems)
 
 

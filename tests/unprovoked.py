@@ -16,14 +16,19 @@ UNPROVOKED = {"prefill_retries": 0, "local_prefill_fallbacks": 0, "decode_retrie
 
 
 def unprovoked_failures(counters: Mapping[str, int], provoked: Mapping[str, int], engines_before: set[int],
-                        engines_after: set[int], instances_before: set[str], instances_after: set[str]) -> list[str]:
-    """Every departure from a clean session, described; empty when there is none."""
+                        engines_after: set[int], instances_before: set[str], instances_after: set[str],
+                        kv_events_missed: Mapping[str, int] | None = None) -> list[str]:
+    """Every departure from a clean session, described; empty when there is none.
+    `kv_events_missed`: per instance, KV-event batches or blocks its replica lost (the routers' prefix
+    state would silently drift from the engine's)."""
     problems = [f"{k}={counters.get(k)} (provoked: {provoked[k]})" for k in UNPROVOKED
                 if counters.get(k) != provoked[k]]
     if dead := engines_before - engines_after:
         problems.append(f"engine processes died: {sorted(dead)}")
     if gone := instances_before - instances_after:
         problems.append(f"engine replicas left or were replaced: {sorted(gone)}")
+    if missed := {k: v for k, v in (kv_events_missed or {}).items() if v}:
+        problems.append(f"KV events were lost: {missed}")
     return problems
 
 

@@ -28,3 +28,10 @@ def test_a_counter_the_router_does_not_report_fails_too():
 def test_a_dead_engine_process_and_a_replaced_replica_fail_the_session():
     problems = unprovoked_failures(CLEAN, CLEAN, {11, 12}, {12, 99}, {"decode-a", "prefill-b"}, {"prefill-b", "decode-c"})
     assert problems == ["engine processes died: [11]", "engine replicas left or were replaced: ['decode-a']"]
+
+
+def test_lost_kv_events_fail_the_session():
+    """A replica that lost events leaves the routers' prefix state drifting from its engine's."""
+    problems = unprovoked_failures(CLEAN, CLEAN, set(), set(), set(), set(), {"decode-a": 0, "prefill-b": 3})
+    assert problems == ["KV events were lost: {'prefill-b': 3}"]
+    assert unprovoked_failures(CLEAN, CLEAN, set(), set(), set(), set(), {"decode-a": 0}) == []
