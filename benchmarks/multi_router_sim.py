@@ -10,15 +10,17 @@ real Azure traces (`azure_conv_2023`, `azure_code_2023`, looked up like `disagg 
 a path, or a name in $DISAGG_TRACE_DIR) — the first `--requests` requests are run at the
 saturation rate of `disagg sim --saturation` (round robin mid-collapse, one router, seed 0). Then,
 per seed (the SLO-class draw, the predictor and the tie-break seed), policy (marginal_cost,
-pair_cost) and tie tolerance (0 and `--tie-tolerance`), at K = 1, 2, 4 routers polling every 50 ms:
-- `polls`: the mechanism as specified: each router sees its own admissions at once and the other
-  routers' work as the engines' received-call ledgers report it at its latest poll;
+pair_cost) and tie tolerance (0 and `--tie-tolerance`), at K = 1, 2, 4 routers:
+- `polls`: every 50 ms; each router sees its own admissions at once and the other routers' work
+  as the engines' received-call ledgers report it at its latest poll;
 - `polls+notices`: plus each router's notice to its peers of every call it sends, visible to them
-  after `--notice-ms` (2 ms) until their next poll of that engine covers it.
-Goodput is reported relative to K = 1 with the same policy, tolerance and seed (median and range
-over seeds). `--ablations` adds the diagnostics behind docs/multi-router.md: marginal_cost at K = 4
+  after `--notice-ms` (2 ms) until their next poll of that engine covers it;
+- `push`: the live mechanism: every change of an engine's state reaches every router `--push-ms`
+  (5 ms) after it happened.
+Goodput is reported relative to K = 1 with the same policy, tolerance, seed and mechanism (polls
+or push; median and range over seeds). `--ablations` adds the diagnostics behind docs/multi-router.md: marginal_cost at K = 4
 without the engines' totals, with notices after 0 / 2 / 5 / 10 ms, with notices of prefill calls only,
-and with 10 / 25 ms polls.
+with 10 / 25 ms polls, and with pushes after 0 / 2 / 5 / 10 / 20 ms (against K = 1 with 50 ms polls).
 """
 
 from __future__ import annotations
@@ -61,11 +63,12 @@ def load_traces(n: int) -> dict[str, list]:
 
 
 def run_one(trace, cm, topo, policy, *, seed, tol, routers, notice_s=None, others_totals=True, poll_s=0.05,
-            sim_class=None) -> float:
+            push_s=None, sim_class=None) -> float:
     params = {"tie_tolerance": tol, "seed": seed}
     if sim_class is None:
         summary, _ = simulate(trace, cm, topo, policy, policy_params=params, seed=seed, routers=routers,
-                              peer_notify_s=notice_s, others_totals=others_totals, poll_interval_s=poll_s)
+                              peer_notify_s=notice_s, others_totals=others_totals, poll_interval_s=poll_s,
+                              push_s=push_s)
         return summary["goodput"]
     from disagg.core.policies import build_policy
     from disagg.core.predictor import BucketMeanPredictor
@@ -92,6 +95,8 @@ def main() -> int:
     ap.add_argument("--cost-model", default="a40")
     ap.add_argument("--tie-tolerance", type=float, default=0.05)
     ap.add_argument("--notice-ms", type=float, default=2.0, help="delay of the routers' notices to each other")
+    ap.add_argument("--push-ms", type=float, default=5.0, help="delay of the engines' state pushes (the live "
+                    "engines coalesce over 5 ms)")
     ap.add_argument("--ablations", action="store_true", help="also run the diagnostics (marginal_cost, K = 4)")
     ap.add_argument("--json", help="write every run and the summary here")
     args = ap.parse_args()
@@ -99,7 +104,7 @@ def main() -> int:
     cm, topo = load_profile(args.cost_model), Topology.parse(args.topology)
     seeds = list(range(args.seeds))
     tols = (0.0, args.tie_tolerance)
-    notice_s = args.notice_ms / 1e3
+    notice_s, push_s = args.notice_ms / 1e3, args.push_ms / 1e3
     out: dict = {"config": {**vars(args), "routers": ROUTERS, "policies": POLICIES, "poll_interval_s": 0.05},
                  "traces": {}}
     t_start = time.perf_counter()
@@ -112,15 +117,16 @@ def main() -> int:
         for policy in POLICIES:
             for tol in tols:
                 for k in ROUTERS:
-                    for mech in (("polls",) if k == 1 else ("polls", "polls+notices")):
+                    for mech in (("polls", "push") if k == 1 else ("polls", "polls+notices", "push")):
                         key = f"{policy}|{tol}|{k}|{mech}"
                         runs[key] = [run_one(prepared[s], cm, topo, policy, seed=s, tol=tol, routers=k,
-                                             notice_s=notice_s if mech == "polls+notices" else None)
+                                             notice_s=notice_s if mech == "polls+notices" else None,
+                                             push_s=push_s if mech == "push" else None)
                                      for s in seeds]
         rows = []
         for key, vals in runs.items():
             policy, tol, k, mech = key.split("|")
-            base = runs[f"{policy}|{tol}|1|polls"]
+            base = runs[f"{policy}|{tol}|1|{'push' if mech == 'push' else 'polls'}"]  # like against like
             rows.append({"policy": policy, "tie_tolerance": float(tol), "routers": int(k), "views": mech,
                          **rel_stats(vals, base)})
         for policy in POLICIES:  # what the tolerance itself costs or gains with one router
@@ -133,7 +139,8 @@ def main() -> int:
             variants = [("no engine totals", dict(others_totals=False)),
                         *((f"notices {ms:g} ms", dict(notice_s=ms / 1e3)) for ms in (0, 2, 5, 10)),
                         ("prefill notices only, 2 ms", dict(notice_s=0.002, sim_class=_PrefillNoticesOnly)),
-                        ("polls every 10 ms", dict(poll_s=0.01)), ("polls every 25 ms", dict(poll_s=0.025))]
+                        ("polls every 10 ms", dict(poll_s=0.01)), ("polls every 25 ms", dict(poll_s=0.025)),
+                        *((f"pushes after {ms:g} ms", dict(push_s=ms / 1e3)) for ms in (0, 2, 5, 10, 20))]
             for label, kw in variants:
                 vals = [run_one(prepared[s], cm, topo, "marginal_cost", seed=s, tol=0.0, routers=4, **kw)
                         for s in seeds]

@@ -83,12 +83,14 @@ def simulate(
     peer_notify_s: float | None = None,
     scaler: Scaler | None = None,
     startup_s: float = 60.0,
+    push_s: float | None = None,
 ) -> tuple[dict, SimResult]:
     """One policy through the simulator (`policy_name` may carry parameters: `parse_policy_spec`;
     `policy_params` add to them). `router_cost_model` lets the router believe other
     constants than the engines really have (the miscalibration study). `routers` router replicas
     share the arrivals in turn; `others_totals=False` hides the engines' received-call ledgers
-    from them, `peer_notify_s` adds the routers' notices to each other (see `Simulator`). With a
+    from them, `peer_notify_s` adds the routers' notices to each other, `push_s` replaces the polls
+    with the engines' pushes, seen that long after each change (see `Simulator`). With a
     `scaler` the pools' widths change (disagg.sim.autoscaling), `topology` being each pool's most."""
     name, spec_params = parse_policy_spec(policy_name)  # a name, or NAME:key=value...
     policy = build_policy(name, router_cost_model or cost_model, {**spec_params, **(policy_params or {})})
@@ -96,7 +98,8 @@ def simulate(
     if predictor_error > 0:
         predictor = NoisyPredictor(predictor, predictor_error, seed=seed)
     sim = Simulator(cost_model, topology, policy, predictor, poll_interval_s=poll_interval_s, routers=routers,
-                    others_totals=others_totals, peer_notify_s=peer_notify_s, scaler=scaler, startup_s=startup_s)
+                    others_totals=others_totals, peer_notify_s=peer_notify_s, scaler=scaler, startup_s=startup_s,
+                    push_s=push_s)
     trace, capped = clamp_to_context(trace, cost_model.engine.kv_capacity_tokens)
     result = sim.run(trace, progress=progress)
     summary = summarize(result.records, result.instance_tokens)

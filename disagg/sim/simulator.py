@@ -41,6 +41,13 @@ events, before each of which every router's pending poll of it is taken. With K 
 the single-router run, decision for decision. `others_totals=False` is the ablation without the
 engine ledgers: routers see each other only through the polled KV use.
 
+State by push (`push_s`, off by default), as the live engines now send it
+(`serve_app.state_push`): instead of polls, every change of an engine's state (KV use, the
+received-call totals) is a version that every router sees `push_s` after it happened (the
+engines coalesce changes over 5 ms and the stream takes its share), and a router's own admissions
+count until its view of the instance is a newer version. Lazy and exact like the polls: a version
+is published at the first touch of the engine after its change, stamped with the change's time.
+
 Peer notices (`peer_notify_s`, off by default): each router also tells the others of every call it
 sends (prefill, decode, or colocated: instance and priced work) at once; a notice is visible to a
 peer `peer_notify_s` later and counts in its view of that instance until the peer's next poll of
@@ -170,9 +177,14 @@ class Simulator:
         peer_notify_s: float | None = None,
         scaler: Scaler | None = None,
         startup_s: float = 60.0,
+        push_s: float | None = None,
     ) -> None:
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
+        if push_s is not None and not (push_s >= 0 and math.isfinite(push_s)):
+            raise ValueError(f"push_s must be None (polls) or a finite delay >= 0, got {push_s!r}")
+        if push_s is not None and peer_notify_s is not None:
+            raise ValueError("push_s and peer_notify_s are two ways of seeing the other routers' calls: give one")
         if peer_notify_s is not None and not (peer_notify_s >= 0 and math.isfinite(peer_notify_s)):
             raise ValueError(f"peer_notify_s must be None (off) or a finite delay >= 0, got {peer_notify_s!r}")
         if isinstance(routers, bool) or not isinstance(routers, int) or routers < 1:
@@ -229,6 +241,13 @@ class Simulator:
         self._tick_seen = [dict.fromkeys(self.engines, self._tick(k, 0.0)) for k in range(routers)]
         self._polled_version = [{iid: self._version(iid) for iid in self.engines} for _ in range(routers)]
         self._polled_free = {iid: e.free_blocks for iid, e in self.engines.items()}  # the single router's snapshots'
+        self.push_s = push_s
+        if push_s is not None:  # per instance: (visible from, every router's view, version id), oldest first
+            self._pushes = {iid: deque([(-math.inf, [self._poll_one(iid, k) for k in range(routers)], 0)])
+                            for iid in self.engines}
+            self._pushed_version = {iid: self._version(iid) for iid in self.engines}
+            self._touched = dict.fromkeys(self.engines, 0.0)  # the latest touch: a change found later happened then
+            self._seen_push = [dict.fromkeys(self.engines, 0) for _ in range(routers)]
         self._heap: list = []
         self._seq = 0
         self._step_epoch: dict[str, int] = {iid: 0 for iid in self.engines}
@@ -259,8 +278,18 @@ class Simulator:
         return self.engines[iid].version, self._received_version[iid]
 
     def _refresh(self, iid: str, now: float) -> None:
-        """Take every router's poll of the latest tick if not taken yet: call before touching an
-        engine or its received ledger."""
+        """Take every router's poll of the latest tick if not taken yet (with pushes: publish the
+        version the engine changed to at its previous touch): call before touching an engine or
+        its received ledger."""
+        if self.push_s is not None:
+            version = self._version(iid)
+            if version != self._pushed_version[iid]:
+                self._pushed_version[iid] = version
+                q = self._pushes[iid]
+                q.append((self._touched[iid] + self.push_s, [self._poll_one(iid, k) for k in range(self.routers)],
+                          q[-1][2] + 1))
+            self._touched[iid] = now
+            return
         if self.routers == 1:  # the hot path of the single-router run
             tick = int(now / self.poll_interval_s)
             if tick != self._tick_seen[0][iid]:
@@ -329,8 +358,24 @@ class Simulator:
         self.received[iid].remove(self.router_ids[k], work_s)
         self._received_version[iid] += 1
 
+    def _pushed(self, iid: str, k: int, now: float) -> PolledState:
+        """The latest version of `iid` router k has received by `now` (pushes)."""
+        q = self._pushes[iid]
+        while len(q) > 1 and q[1][0] <= now:  # time only moves on, and every router sees after the same delay
+            q.popleft()
+        visible, views, version = q[0]
+        if version != self._seen_push[k][iid]:  # a newer version: it covers the router's admissions so far
+            self._seen_push[k][iid] = version
+            self.ledgers[k].polled(iid)
+        return views[k]
+
     def _views(self, ids: Sequence[str], now: float, k: int = 0) -> list[InstanceView]:
         # every router's pending poll is taken, not only k's: the decision is about to change engines
+        if self.push_s is not None:
+            for i in ids:
+                self._refresh(i, now)
+            led, roles = self.ledgers[k], self.roles
+            return [led.view(i, roles[i], self._pushed(i, k, now)) for i in ids]
         if self.routers == 1:
             tick, seen = int(now / self.poll_interval_s), self._tick_seen[0]
             for i in ids:

@@ -133,6 +133,7 @@ def test_bad_notice_delay_is_refused(cm, bad):
 HERD_ROWS = [
     # gap s, others' totals, peer notice s, rho, router 1's prefill
     (0.005, True, None, 0.0, "prefill-0"),    # before router 1's next poll: nothing can show it — herds
+    (0.020, True, None, 0.0, "prefill-0"),
     (0.005, False, None, 0.0, "prefill-0"),
     (0.005, True, 0.002, 0.0, "prefill-1"),   # a peer notice (2 ms) arrives before the decision
     (0.100, True, None, 0.0, "prefill-1"),    # after a poll: the engine reports router 0's call
@@ -151,6 +152,44 @@ def test_stale_views_herd_unless_the_others_work_is_visible(cm, gap, totals, not
     rec = {r.request_id: r for r in sim.run(trace).records}
     assert rec["r0"].prefill_id == "prefill-0"
     assert rec["r1"].prefill_id == expected
+
+
+# With pushes (`push_s`) router 1 sees router 0's call `push_s` after it reached the engine, at
+# whatever phase: no poll to wait for.
+PUSH_ROWS = [
+    # gap s, push delay s, router 1's prefill
+    (0.005, 0.002, "prefill-1"),  # pushed before the decision
+    (0.005, 0.010, "prefill-0"),  # still on its way: herds
+    (0.020, 0.010, "prefill-1"),  # before router 1's first poll (at 25 ms): polls would herd here
+    (0.005, 0.0, "prefill-1"),
+]
+
+
+@pytest.mark.parametrize("gap, push, expected", PUSH_ROWS)
+def test_pushed_state_shows_the_others_work_after_the_push_delay(cm, gap, push, expected):
+    trace = [TraceRequest(0.0, 8000, 10), TraceRequest(gap, 100, 10)]
+    sim = Simulator(cm, Topology(2, 1), build_policy("marginal_cost", cm, {"rho": 0.0}), routers=2, push_s=push)
+    rec = {r.request_id: r for r in sim.run(trace).records}
+    assert rec["r0"].prefill_id == "prefill-0"
+    assert rec["r1"].prefill_id == expected
+
+
+def test_a_pushed_version_is_visible_exactly_push_s_after_the_change(cm):
+    sim = Simulator(cm, Topology(1, 1), build_policy("marginal_cost", cm), routers=2, push_s=0.01)
+    sim._refresh("decode-0", 1.0)  # touched at 1.0 ...
+    sim._call_arrived("decode-0", 0, 0.5)  # ... where router 0's call arrives
+    sim._refresh("decode-0", 1.004)  # the next touch publishes the version of 1.0
+    assert sim._pushed("decode-0", 1, 1.0099).others_backlog_s == 0.0
+    assert sim._pushed("decode-0", 1, 1.0101).others_backlog_s == 0.5
+    assert sim._pushed("decode-0", 0, 1.0101).others_backlog_s == 0.0  # its own call is in its own ledger
+
+
+@pytest.mark.parametrize("bad", [-0.001, float("nan"), float("inf")])
+def test_bad_push_delay_is_refused(cm, bad):
+    with pytest.raises(ValueError, match="push_s"):
+        Simulator(cm, Topology(1, 1), build_policy("round_robin", cm), routers=2, push_s=bad)
+    with pytest.raises(ValueError, match="give one"):
+        Simulator(cm, Topology(1, 1), build_policy("round_robin", cm), routers=2, push_s=0.005, peer_notify_s=0.002)
 
 
 def test_decode_work_reaches_the_others_only_when_the_decode_call_does(cm):
