@@ -6,8 +6,12 @@ measured at fleet size: 64 engines and 4 routers. No host here runs 64 vLLM engi
 speaks the same interface the router uses — `prefill`, `generate`, `watch`, `state`, `abort`,
 `release_kv`, `reset_prefix_cache`, `decision_ages` — with the same per-router ledger and the same
 `StatePublisher`, and times its work with the calibrated engine model: a prefill takes the cost
-model's `prefill_s(prompt)`, one at a time; every running sequence gets a token per step of
-`step_s(0, running)`. It measures router scale only: the real engines stay the end-to-end test.
+model's `prefill_s(prompt)` of the tokens its prefix cache does not hold, one at a time; every
+running sequence gets a token per step of `step_s(0, running)`. Its prefix cache is an LRU of
+KV blocks up to its capacity, filled by the prompts it prefills or receives and by its answers,
+evicted tail first, and published as vLLM publishes its KV events (`engine.kv_events`): into the
+same fold, pushed to the routers with the state. It measures router scale only: the real engines
+stay the end-to-end test.
 
 A stand-in replica must stay small (64 of them share the host), so it never imports vLLM. Two
 things cross Ray as vLLM objects, and both are handled here without it:
@@ -24,11 +28,14 @@ import os
 import sys
 import time
 import types
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, AsyncIterator
 
+from disagg.core.kv_event_fold import KvEventFold
 from disagg.core.ledger import AdmittedWork
+from disagg.core.prefix_index import index_block_tokens
 from disagg.core.types import Role
 from serve_app.config import AppConfig, load_cost_model
 from serve_app.messages import EngineStateReport, GenerateCall, OutputDelta, PrefillCall, PrefillReply
@@ -90,6 +97,56 @@ class WireOutput:
         return completion_output, (self.index, self.text, self.token_ids, self.finish_reason)
 
 
+class _PrefixCache:
+    """The stand-in's prefix cache: an LRU of KV blocks (each named by its prefix), and the KV
+    events a vLLM engine would publish for it, folded as the real replica folds them."""
+
+    def __init__(self, block_size: int, capacity_tokens: int, fold: KvEventFold | None) -> None:
+        self.block_size = block_size
+        self.capacity_blocks = max(1, capacity_tokens // block_size)
+        self.fold = fold
+        self._blocks: OrderedDict[int, None] = OrderedDict()  # least recently used first
+
+    def cached_tokens(self, token_ids: list[int]) -> int:
+        """Leading tokens of `token_ids` held (the last token is always computed, as in vLLM)."""
+        n = 0
+        for h, _ in self._chain(token_ids[:-1]):
+            if h not in self._blocks:
+                break
+            n += self.block_size
+        return n
+
+    def store(self, token_ids: list[int]) -> None:
+        """The full blocks of `token_ids` are computed (or received): cache them, evicting beyond capacity."""
+        chain = self._chain(token_ids)
+        parent = None
+        for h, block in chain:
+            if h not in self._blocks:
+                self._blocks[h] = None
+                if self.fold is not None:
+                    self.fold.stored(parent, [h], block, self.block_size)
+            parent = h
+        for h, _ in reversed(chain):  # the first block the most recent: a prefix is evicted from its tail
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity_blocks:
+            old, _ = self._blocks.popitem(last=False)
+            if self.fold is not None:
+                self.fold.removed([old])
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        if self.fold is not None:
+            self.fold.cleared()
+
+    def _chain(self, token_ids: list[int]) -> list[tuple[int, tuple[int, ...]]]:
+        out, h, bs = [], 0, self.block_size
+        for i in range(0, len(token_ids) - bs + 1, bs):
+            block = tuple(token_ids[i:i + bs])
+            h = hash((h, block))
+            out.append((h, block))
+        return out
+
+
 @dataclass(slots=True)
 class _Sequence:
     prompt_tokens: int
@@ -118,23 +175,27 @@ class StandInEngine:
         self._prefill_lock = asyncio.Lock()  # one prefill at a time, in arrival order
         self._work = asyncio.Event()
         self._stepper = asyncio.create_task(self._step_forever())
+        fold = KvEventFold(index_block_tokens(self.block_size)) if cfg.engine.kv_events else None
+        self.cache = _PrefixCache(self.block_size, self.capacity, fold)
         self.publisher = StatePublisher(self._report, cfg.engine.push_interval_s, self.block_size, self.capacity,
-                                        cfg.engine.state_age_bound_s)
+                                        cfg.engine.state_age_bound_s, fold)
 
     # -- the engine model ----------------------------------------------------------------------
 
-    async def _prefilled(self, prompt_tokens: int) -> float:
-        """Run one prefill in turn; its seconds from the call."""
+    async def _prefilled(self, prompt: list[int]) -> tuple[float, int]:
+        """Run one prefill in turn: (its seconds from the call, the prompt tokens the cache held)."""
         t0 = time.perf_counter()
         self.prefills_waiting += 1
         self.publisher.poke()
         try:
             async with self._prefill_lock:
-                await asyncio.sleep(self.constants.prefill_s(prompt_tokens))
+                cached = self.cache.cached_tokens(prompt)
+                await asyncio.sleep(self.constants.prefill_s(len(prompt) - cached))
+                self.cache.store(prompt)
         finally:
             self.prefills_waiting -= 1
             self.publisher.poke()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, cached
 
     async def _step_forever(self) -> None:
         while True:
@@ -158,7 +219,8 @@ class StandInEngine:
             replica=self.replica_id, role=self.role, running=len(self.running), waiting=self.prefills_waiting,
             kv_used_tokens=min(self.capacity, self._kv_used()), kv_capacity_tokens=self.capacity,
             prefix_cache_hits=0, prefix_cache_queries=0, kv_transfers_ok=0, kv_transfers_failed=0,
-            kv_received_tokens=0, admitted=self.admitted.totals(), pid=os.getpid(), block_size=self.block_size)
+            kv_received_tokens=0, admitted=self.admitted.totals(), pid=os.getpid(), block_size=self.block_size,
+            kv_events_missed=self.cache.fold.unattributed if self.cache.fold else 0)
 
     # -- the replica interface -------------------------------------------------------------------
 
@@ -173,19 +235,22 @@ class StandInEngine:
     async def prefill(self, call: PrefillCall, replica: str | None = None) -> PrefillReply:
         self._admit(call)
         try:
-            seconds = await self._prefilled(len(call.prompt_token_ids))
+            seconds, cached = await self._prefilled(list(call.prompt_token_ids))
         finally:
             self._release(call)
         return PrefillReply(kv_transfer_params={"stand_in": self.replica_id}, first_token_id=TOKEN_ID,
-                            engine_ttft_s=seconds, replica=self.replica_id)
+                            engine_ttft_s=seconds, replica=self.replica_id, cached_tokens=cached)
 
     async def generate(self, call: GenerateCall, replica: str | None = None) -> AsyncIterator[OutputDelta]:
         self._admit(call)
         t0 = time.perf_counter()
         try:
+            prompt = list(call.prompt_token_ids)
             if call.kv_transfer_params is None:
-                await self._prefilled(len(call.prompt_token_ids))
-            seq = _Sequence(len(call.prompt_token_ids), max(1, call.params.max_tokens or 16))
+                await self._prefilled(prompt)
+            else:
+                self.cache.store(prompt)  # the pulled KV is cached, as vLLM caches it
+            seq = _Sequence(len(prompt), max(1, call.params.max_tokens or 16))
             self.running[call.request_id] = seq
             self._work.set()
             first = True
@@ -202,6 +267,7 @@ class StandInEngine:
                                   engine_first_token_s=time.perf_counter() - t0 if first else None,
                                   num_cached_tokens=0 if first else None)
                 first = False
+            self.cache.store(prompt + [TOKEN_ID] * (seq.generated - 1))  # the answer's KV, all but the last token's
         finally:
             self.running.pop(call.request_id, None)
             self._release(call)
@@ -225,6 +291,8 @@ class StandInEngine:
         return None
 
     async def reset_prefix_cache(self) -> bool:
+        self.cache.clear()
+        self.publisher.poke()
         return True
 
     async def check_health(self) -> None:

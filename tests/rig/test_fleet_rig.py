@@ -42,6 +42,8 @@ def test_sixty_four_engines_pushed_to_four_routers_fresh_under_load_silent_at_id
     state = app.state()
     assert len(state["routers"]) == 4
     assert len(state["instances"]) == 64 and app.health()["status"] == "ok"
+    # every router's prefix index of every stand-in comes from its (modelled) KV events
+    assert {v["prefix_source"] for v in state["instances"].values()} == {"events"}
     time.sleep(2.0)
     idle = _totals(app.state())
     time.sleep(3.0)
@@ -67,3 +69,4 @@ def test_sixty_four_engines_pushed_to_four_routers_fresh_under_load_silent_at_id
     assert decisions - idle[1] >= 200  # every request's first engine call names the version it was decided on
     assert stale - idle[2] <= 0.01 * (decisions - idle[1]), (
         f"{stale - idle[2]} of {decisions - idle[1]} calls decided on state older than the bound")
+    assert sum(v["kv_events_missed"] for v in state["instances"].values()) == 0
