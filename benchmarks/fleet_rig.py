@@ -11,8 +11,9 @@ routers with vLLM's OpenAI layer) and measures:
   stand-in, which runs nothing but our replica code) and the state messages sent;
 - per rate, an open loop (Poisson arrivals) of short completions for `--seconds`: requests served,
   the age of the engine state behind every call (read from each stand-in through Ray: p50, p99,
-  share current, share over the bound), the policy's decision time (from the request log: p50,
-  p99), and the state messages per second.
+  share current, share over the bound), the placement decision's wall and CPU time (from the
+  request log: p50, p99; the wall includes the time the host's 70 other processes took the core),
+  and the state messages per second.
 The rates this host can offer are bounded by the routers' own CPU per request (about 6 ms with
 vLLM's layer): the figures are for the rates given, not for a GPU fleet's.
 """
@@ -47,10 +48,11 @@ RIG = ROOT / "deployments" / "rig-64.yaml"
 POOLS = ["prefill", "decode"]
 
 
-def decision_us(log_path: Path, skip: int) -> tuple[list[float], int]:
-    """The policy's decision times (µs) in the request log after its first `skip` lines; the line count."""
+def decision_us(log_path: Path, skip: int) -> tuple[list[float], list[float], int]:
+    """The decisions' wall and CPU times (µs) in the request log after its first `skip` lines; the line count."""
     lines = log_path.read_text().splitlines() if log_path.exists() else []
-    return [r["decision_us"] for r in map(json.loads, lines[skip:]) if r.get("decision_us") is not None], len(lines)
+    records = [r for r in map(json.loads, lines[skip:]) if r.get("decision_us") is not None]
+    return [r["decision_us"] for r in records], [r["decision_cpu_us"] for r in records], len(lines)
 
 
 async def measure(stack: LocalStack, args, log_path: Path) -> dict:
@@ -76,14 +78,14 @@ async def measure(stack: LocalStack, args, log_path: Path) -> dict:
     log(f"idle: routers {out['idle_cores_per_router']:.4f} cores each, engines "
         f"{out['idle_ms_per_engine_per_s']:.3f} ms/s each, {out['idle_state_messages']} state messages")
     rng = random.Random(args.seed)
-    _, seen = decision_us(log_path, 0)
+    _, _, seen = decision_us(log_path, 0)
     for rate in [float(r) for r in args.rates.split(",")]:
         s0 = totals(app.state())
         sent, ok = await open_loop(stack.base_url, "tiny-qwen2", rate, args.seconds, rng)
         await asyncio.sleep(1.0)  # the last streams' logs
         s1 = totals(app.state())
         ages = await engine_ages("disagg", POOLS)
-        times, seen = decision_us(log_path, seen)
+        times, cpu, seen = decision_us(log_path, seen)
         row = {"rate": rate, "sent": sent, "ok": ok, "calls": len(ages),
                "state_age_p50_ms": round(1e3 * percentile(ages, 50), 3),
                "state_age_p99_ms": round(1e3 * percentile(ages, 99), 3),
@@ -91,11 +93,14 @@ async def measure(stack: LocalStack, args, log_path: Path) -> dict:
                "current_share": round(sum(a == 0.0 for a in ages) / max(1, len(ages)), 4),
                "over_bound_share": round((s1[2] - s0[2]) / max(1, s1[1] - s0[1]), 4),
                "decision_p50_us": round(percentile(times, 50), 1), "decision_p99_us": round(percentile(times, 99), 1),
+               "decision_cpu_p50_us": round(percentile(cpu, 50), 1),
+               "decision_cpu_p99_us": round(percentile(cpu, 99), 1),
                "state_messages_per_s": round((s1[0] - s0[0]) / args.seconds, 1)}
         out["rates"].append(row)
         log(f"rate {rate:g}/s: {ok}/{sent} ok; state age p50 {row['state_age_p50_ms']} ms, p99 "
             f"{row['state_age_p99_ms']} ms ({row['current_share']:.0%} current, {row['over_bound_share']:.1%} "
-            f"over the bound); decision p50 {row['decision_p50_us']} µs, p99 {row['decision_p99_us']} µs; "
+            f"over the bound); decision p50 {row['decision_p50_us']} µs, p99 {row['decision_p99_us']} µs (CPU "
+            f"{row['decision_cpu_p50_us']} / {row['decision_cpu_p99_us']} µs); "
             f"{row['state_messages_per_s']} state messages/s")
     return out
 

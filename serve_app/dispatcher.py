@@ -242,7 +242,7 @@ class Dispatcher:
                                     prefix_block_tokens=index.block_tokens)
         else:
             feats = RequestFeatures(f.rid, p, output_tokens, f.slo)
-        t0, f.decided_at = time.perf_counter(), time.time()
+        t0, cpu0, f.decided_at = time.perf_counter(), time.thread_time(), time.time()
         decode_views = self.registry.views(m, m.decode_role)
         if f.choice is not None and m.start_role is Role.PREFILL:  # the alias chose the prefill engine
             prefill_views = [v for v in self.registry.views(m, Role.PREFILL) if v.instance_id == f.choice.instance_id]
@@ -263,6 +263,7 @@ class Dispatcher:
         except NoCapacity as e:
             raise _no_capacity(e) from None
         f.decision_us = (time.perf_counter() - t0) * 1e6
+        f.decision_cpu_us = (time.thread_time() - cpu0) * 1e6
         f.decision, f.t_arrival = decision, t_arrival
         f.state_seen = self.registry.versions(decision.prefill_id, decision.decode_id)
         if index is not None:

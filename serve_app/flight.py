@@ -42,7 +42,8 @@ class Flight:
     state_seen: dict[str, int] = field(default_factory=dict)  # instance id → the state version decided on
     decided_at: float = 0.0  # wall clock of the decision (the engines measure how old that state was)
     predicted: int | None = None  # predicted output tokens
-    decision_us: float | None = None
+    decision_us: float | None = None  # the placement decision's wall time (views and policy) ...
+    decision_cpu_us: float | None = None  # ... and its CPU time: the wall less what the host's other processes took
     alias_us: float | None = None
     admitted: bool = False  # in the ledger
     work_s: tuple[float, float] = (0.0, 0.0)  # the prefill and decode work the ledger admitted it with
