@@ -4,8 +4,8 @@ Usage (nothing else running on the machine; from the repository root):
 
     .venv/bin/python benchmarks/prefix_index_error.py --conversations 160 --json runs/prefix_index_error.json
 
-Starts the CPU profile (deployments/local.yaml: 1 prefill + 2 decode vLLM engines, 2 router
-replicas) once per mode and drives the same multi-turn chat through each:
+Starts the CPU profile (`--config`, deployments/local.yaml by default: 1 prefill + 2 decode vLLM
+engines, 2 router replicas) once per mode and drives the same multi-turn chat through each:
 - `events`: `engine.kv_events` on (the default): the index is what the engines' KV events say;
 - `model`: off: the index is the router's LRU model of each cache, from what it sent where.
 
@@ -43,7 +43,6 @@ from disagg.bench.script import log, write_result  # noqa: E402
 from disagg.stats import percentile  # noqa: E402
 from serve_app.launch import LocalStack, _env  # noqa: E402
 
-CONFIG = ROOT / "deployments" / "local.yaml"
 MODEL = "tiny-qwen2"
 VOCAB = 2048  # the tiny model's
 SYSTEM_PROMPTS = 4
@@ -114,9 +113,11 @@ def scored(log_path: Path) -> dict:
 
 
 def run_mode(mode: str, args, tmp: Path) -> dict:
-    doc = yaml.safe_load(CONFIG.read_text())
+    doc = yaml.safe_load(args.config.read_text())
     app = doc["applications"][0]["args"]
     app["engine"]["kv_events"] = mode == "events"
+    if args.policy:
+        app["router"]["policy"] = args.policy
     log_path = tmp / f"requests-{mode}.jsonl"
     app["router"]["request_log"] = str(log_path)
     config = tmp / f"local-{mode}.yaml"
@@ -128,7 +129,8 @@ def run_mode(mode: str, args, tmp: Path) -> dict:
         ttfts = asyncio.run(chat(stack.base_url, args))
         wall = time.monotonic() - t0
         state = httpx.get(f"{stack.base_url}/admin/state", timeout=60).json()
-    out = {"mode": mode, "index_sources_at_start": sorted(sources), "turns": len(ttfts), "wall_s": round(wall, 1),
+    out = {"mode": mode, "config": args.config.name, "policy": app["router"]["policy"],
+           "index_sources_at_start": sorted(sources), "turns": len(ttfts), "wall_s": round(wall, 1),
            "ttft_p50_s": round(percentile(ttfts, 50), 4), "ttft_p99_s": round(percentile(ttfts, 99), 4),
            "kv_events_missed": sum(v["kv_events_missed"] for v in state["instances"].values()),
            "kv_capacity_tokens": {k: v["kv_capacity_tokens"] for k, v in state["instances"].items()},
@@ -140,6 +142,9 @@ def run_mode(mode: str, args, tmp: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default="events,model", help="comma-separated: events, model")
+    ap.add_argument("--config", type=Path, default=ROOT / "deployments" / "local.yaml")
+    ap.add_argument("--policy", help="the routers' policy (default: the config's); `slo_goodput` and "
+                    "`prefix_affinity` route by the index")
     ap.add_argument("--conversations", type=int, default=160)
     ap.add_argument("--concurrency", type=int, default=16, help="conversations in progress at once")
     ap.add_argument("--turns", type=int, default=7, help="at most, per conversation")

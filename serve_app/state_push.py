@@ -91,10 +91,7 @@ class StatePublisher:
         changed_at, self._dirty_since = self._dirty_since, None
         r = await self._read()
         if self.prefixes is not None:
-            added, removed = self.prefixes.take_delta()
-            if added or removed:
-                self.prefix_seq += 1
-                self._prefix_log.append((self.prefix_seq, added, removed))
+            self._version_prefixes()
             r = replace(r, prefix_seq=self.prefix_seq)
         if self.latest is not None and not (
                 moved(self.latest, r, self.kv_step_tokens) or exact and r != self._unversioned(self.latest)):
@@ -130,15 +127,21 @@ class StatePublisher:
                 continue  # newer versions may have come while the reader was away
             await asyncio.shield(self._published)
 
+    def _version_prefixes(self) -> None:
+        """The fold's changes since the last version make a new one (if there are any)."""
+        added, removed = self.prefixes.take_delta()
+        if added or removed:
+            self.prefix_seq += 1
+            self._prefix_log.append((self.prefix_seq, added, removed))
+
     def _prefix_update(self, seen: int | None) -> PrefixUpdate | None:
         """What a reader that has prefix version `seen` (None: none yet) is owed: nothing, the deltas
-        since, or a snapshot when the deltas it misses are no longer kept. A snapshot may already
-        hold changes not yet versioned; the delta that versions them then changes nothing (set
-        operations are idempotent)."""
+        since, or a snapshot when the deltas it misses are no longer kept."""
         if self.prefixes is None or seen == self.prefix_seq:
             return None
         log = self._prefix_log
         if seen is None or not log or log[0][0] > seen + 1:
+            self._version_prefixes()  # a snapshot is the fold as of a version: later deltas apply to it exactly
             return PrefixUpdate(self.prefix_seq, 0, self.prefixes.held, snapshot=True)
         added: set[int] = set()
         removed: set[int] = set()

@@ -165,6 +165,24 @@ async def test_each_watcher_gets_a_snapshot_of_the_prefixes_then_the_net_change_
 
 
 @in_loop
+async def test_a_snapshot_is_a_version_so_a_change_undone_after_it_still_reaches_its_reader():
+    e = Engine()
+    fold = KvEventFold(64)
+    pub = StatePublisher(e.read, push_interval_s=0.0, block_size=16, kv_capacity_tokens=0, age_bound_s=0.02,
+                         prefixes=fold)
+    await pub.publish()
+    a = _store(fold, list(range(64)))  # stored after the last version ...
+    w = pub.watch()
+    first = (await anext(w)).prefixes
+    assert first.snapshot and first.added == frozenset(a)  # ... and in the joining reader's snapshot
+    fold.removed([("b", 48, 0)])  # then evicted before any publish
+    await pub.publish()
+    update = (await anext(w)).prefixes
+    assert update.since == first.seq and update.removed == frozenset(a)  # the reader hears of it
+    pub.close()
+
+
+@in_loop
 async def test_a_watcher_behind_the_kept_deltas_gets_a_snapshot():
     e = Engine()
     fold = KvEventFold(64)
