@@ -50,13 +50,13 @@ from serve_app.autoscale import PLANNED_WIDTH
 from serve_app.config import AppConfig
 from serve_app.engine import RequestAborted, VllmEngine, engine_processes_under
 from serve_app.engine_args import EngineSpec, kv_events_endpoint
+from serve_app.kv_events import KvEventFollower
 from serve_app.messages import (
     DecodeCall, DecodeChunk, EngineStateReport, GenerateCall, InvalidRequest, OutputDelta, PrefillCall,
     PrefillReply, ProbeCall, ProbeKind, ProbeReply,
 )
 from serve_app.ports import claim_port
 from serve_app.probes import first_output_s, median_step_s, random_prompt
-from serve_app.kv_events import KvEventFollower
 from serve_app.state_push import StatePublisher
 from serve_app.tiny_model import resolve_model
 

@@ -8,6 +8,7 @@ GPU pools; the config refusals of impossible GPU layouts; the GPU split of `disa
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,16 @@ def test_kv_movement_is_configurable():
     assert env["UCX_TLS"] == "cuda_ipc,cuda_copy,tcp" and env["UCX_NET_DEVICES"] == "mlx5_0:1"
 
 
+def test_engines_publish_their_kv_events_on_a_socket_in_their_runtime_folder():
+    spec = EngineSpec(model="m", runtime_dir="/run/engine-7")
+    assert engine_kwargs(spec)["kv_events_config"] == {
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "ipc:///run/engine-7/kv-events"}
+    assert "kv_events_config" not in engine_kwargs(dataclasses.replace(spec, kv_events=False))
+    assert "kv_events_config" not in engine_kwargs(EngineSpec(model="m"))  # no folder yet: start() gives one
+    with pytest.raises(ValueError, match="kv_events_config"):
+        EngineSpec(model="m", engine_kwargs={"kv_events_config": {}})  # the spec's field, not a raw kwarg
+
+
 def test_cpu_profile_engine_keeps_its_tunings():
     spec = engine_spec(_config("local.yaml"), Role.DECODE, "127.0.0.1", 27003)
     kw = engine_kwargs(spec)
@@ -90,17 +101,23 @@ def test_cpu_profile_engine_keeps_its_tunings():
 
 @pytest.mark.parametrize("file", DEPLOYMENTS)
 def test_vllm_takes_the_engine_args_of_every_shipped_config(file):
-    """vLLM's own classes accept what every replica of every shipped config would pass them."""
-    from vllm.config import KVTransferConfig
+    """vLLM's own classes accept what every replica of every shipped config would pass them (with
+    the runtime folder each engine's start gives it)."""
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     apps = load_serve_config(ROOT / "deployments" / file)
     for _, cfg in apps:
         for role in (Role.BOTH,) if cfg.is_colocated else (Role.PREFILL, Role.DECODE):
-            kw = engine_kwargs(engine_spec(cfg, role, "127.0.0.1", 27000))
+            spec = dataclasses.replace(engine_spec(cfg, role, "127.0.0.1", 27000), runtime_dir="/run/engine")
+            kw = engine_kwargs(spec)
             kw["kv_transfer_config"] = KVTransferConfig(**kw["kv_transfer_config"])
+            if "kv_events_config" in kw:
+                kw["kv_events_config"] = KVEventsConfig(**kw["kv_events_config"])
             args = AsyncEngineArgs(**kw)
             assert args.kv_transfer_config.kv_connector == cfg.engine.kv_transfer.vllm_connector
+            events = args.kv_events_config
+            assert (events is not None and events.enable_kv_cache_events) == cfg.engine.kv_events
             assert args.tensor_parallel_size == cfg.pool_of(role).tensor_parallel_size
 
 
