@@ -6,18 +6,20 @@ Usage (nothing else running on the machine; from the repository root):
 
 Starts the CPU profile (`--config`, deployments/local.yaml by default: 1 prefill + 2 decode vLLM
 engines, 2 router replicas) once per mode and drives the same multi-turn chat through each:
-- `events`: `engine.kv_events` on (the default): the index is what the engines' KV events say;
-- `model`: off: the index is the router's LRU model of each cache, from what it sent where.
+- `events` (the default): the index is what the engines' KV events say;
+- `model`: the index is the router's LRU model of each cache, from what it sent where
+  (`router.prefix_index: model`; the engines still publish their events, for the scoring).
 
 The chat: `--concurrency` conversations at a time, each of up to `--turns` turns; a turn's prompt
 is the previous prompt, the answer the model gave to it and new user text, and every conversation
 opens with one of a few shared system prompts. The content passes the prefill engine's KV cache
 several times (and each decode engine's about once), so the engines evict while requests run.
-Per request, the request log sets the router's prediction of the prompt tokens the prefill engine
-holds beside vLLM's own count; the script reports the error in tokens (mean absolute, p99, the
-share exact, over- and under-predicted), and each mode's TTFT p50/p99 and tokens vLLM reused.
-The decode side's actual count is not reported by vLLM per request (it sums local hits and the
-tokens pulled over NIXL), so only the prefill side is scored.
+Per request, the request log sets the router's prediction of the prompt tokens each chosen engine
+holds beside the truth: on the prefill side vLLM's own count of the tokens its cache supplied; on
+the decode side, what the engine's KV events said it held when the decode call came (vLLM's own
+count there adds the tokens pulled over NIXL). The script reports each side's error in tokens
+(mean absolute, p99, the share exact, over- and under-predicted), and each mode's TTFT p50/p99,
+the share of turns within `--ttft-slo-ms`, and the tokens vLLM reused.
 """
 
 from __future__ import annotations
@@ -92,30 +94,39 @@ async def chat(base_url: str, args) -> list[float]:
     return ttfts
 
 
-def scored(log_path: Path) -> dict:
-    """The prefill side's predicted against actual cached tokens, from the request log."""
-    errors = []
-    reused = 0
-    for line in log_path.read_text().splitlines():
-        r = json.loads(line)
-        predicted = (r.get("cached_tokens_predicted") or {}).get("prefill")
-        if predicted is None or r.get("prefill_cached_tokens") is None or r.get("error"):
-            continue
-        errors.append(predicted - r["prefill_cached_tokens"])
-        reused += r["prefill_cached_tokens"]
-    absolute = [abs(e) for e in errors]
+def errors_of(errors: list[int]) -> dict:
+    """Predicted minus actual tokens, summarised."""
     n = len(errors)
+    if not n:
+        return {"requests": 0}
+    absolute = [abs(e) for e in errors]
     return {"requests": n, "mean_abs_error_tokens": round(statistics.fmean(absolute), 1),
             "p99_abs_error_tokens": percentile(absolute, 99), "exact_share": round(sum(e == 0 for e in errors) / n, 4),
             "over_predicted_share": round(sum(e > 0 for e in errors) / n, 4),
-            "under_predicted_share": round(sum(e < 0 for e in errors) / n, 4),
+            "under_predicted_share": round(sum(e < 0 for e in errors) / n, 4)}
+
+
+def scored(log_path: Path) -> dict:
+    """Each side's predicted against actual cached tokens, from the request log."""
+    sides: dict[str, list[int]] = {"prefill": [], "decode": []}
+    reused = 0
+    for line in log_path.read_text().splitlines():
+        r = json.loads(line)
+        predicted = r.get("cached_tokens_predicted") or {}
+        if r.get("error"):
+            continue
+        for side, actual in (("prefill", r.get("prefill_cached_tokens")), ("decode", r.get("decode_held_tokens"))):
+            if predicted.get(side) is not None and actual is not None:
+                sides[side].append(predicted[side] - actual)
+        reused += r.get("prefill_cached_tokens") or 0
+    return {"prefill": errors_of(sides["prefill"]), "decode": errors_of(sides["decode"]),
             "prefill_tokens_reused": reused}
 
 
 def run_mode(mode: str, args, tmp: Path) -> dict:
     doc = yaml.safe_load(args.config.read_text())
     app = doc["applications"][0]["args"]
-    app["engine"]["kv_events"] = mode == "events"
+    app["router"]["prefix_index"] = mode
     if args.policy:
         app["router"]["policy"] = args.policy
     log_path = tmp / f"requests-{mode}.jsonl"
@@ -132,6 +143,7 @@ def run_mode(mode: str, args, tmp: Path) -> dict:
     out = {"mode": mode, "config": args.config.name, "policy": app["router"]["policy"],
            "index_sources_at_start": sorted(sources), "turns": len(ttfts), "wall_s": round(wall, 1),
            "ttft_p50_s": round(percentile(ttfts, 50), 4), "ttft_p99_s": round(percentile(ttfts, 99), 4),
+           "ttft_slo_share": round(sum(t <= args.ttft_slo_ms / 1e3 for t in ttfts) / len(ttfts), 4),
            "kv_events_missed": sum(v["kv_events_missed"] for v in state["instances"].values()),
            "kv_capacity_tokens": {k: v["kv_capacity_tokens"] for k, v in state["instances"].items()},
            **scored(log_path)}
@@ -148,6 +160,8 @@ def main() -> int:
     ap.add_argument("--conversations", type=int, default=160)
     ap.add_argument("--concurrency", type=int, default=16, help="conversations in progress at once")
     ap.add_argument("--turns", type=int, default=7, help="at most, per conversation")
+    ap.add_argument("--ttft-slo-ms", type=float, default=750.0, help="report the share of turns within this TTFT "
+                    "(the cpu-tiny profile's loose target)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the figures here (atomically)")
     args = ap.parse_args()

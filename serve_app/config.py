@@ -271,6 +271,10 @@ class RouterSettings(_Strict):
 
     poll_interval_s: float = Field(default=5.0, gt=0, le=60, description="liveness poll period: finds new engine "
                                    "replicas and checks the state streams (the state itself is pushed)")
+    prefix_index: Literal["events", "model"] = Field(
+        default="events", description="where the prefix index of each engine comes from: its pushed KV events "
+        "(`engine.kv_events`), or the router's model of its cache (what was sent where; for comparing the two: "
+        "the engines still report what their events say they held, in the request log)")
     default_slo: SloClass = SloClass.LOOSE
     request_log: str | None = Field(default=None, description="JSON-lines file, one record per request")
     num_cpus: float = Field(default=0.1, ge=0)

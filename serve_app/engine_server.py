@@ -303,13 +303,18 @@ class EngineServer:
                             prompt_logprobs=r.prompt_logprobs)
 
     async def generate(self, call: GenerateCall, replica: str | None = None) -> AsyncIterator[OutputDelta]:
+        # what vLLM held of the prompt as the call came, by its events: the truth the router's index is
+        # scored against (vLLM's own count adds the tokens a decode pulls over NIXL)
+        held = self.kv_events.fold.held_tokens(call.prompt_token_ids) if self.kv_events else None
+
         def delta(outs: list, first: bool, elapsed_s: float) -> OutputDelta:
             out = merged(outs)
             return OutputDelta(output=out.outputs[0], finished=out.finished,
                                replica=self.replica_id if first else None,
                                engine_first_token_s=elapsed_s if first else None,
                                num_cached_tokens=out.num_cached_tokens if first else None,
-                               prompt_logprobs=out.prompt_logprobs if first else None)
+                               prompt_logprobs=out.prompt_logprobs if first else None,
+                               held_tokens=held if first else None)
         stream = self.engine.generate(call.request_id, call.prompt_token_ids, call.params, call.kv_transfer_params)
         async for d in self._relayed(call, stream, delta):  # a generator method: Serve streams what it yields
             yield d

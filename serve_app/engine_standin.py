@@ -246,6 +246,7 @@ class StandInEngine:
         t0 = time.perf_counter()
         try:
             prompt = list(call.prompt_token_ids)
+            held = self.cache.fold.held_tokens(prompt) if self.cache.fold else None
             if call.kv_transfer_params is None:
                 await self._prefilled(prompt)
             else:
@@ -265,7 +266,7 @@ class StandInEngine:
                 out = WireOutput(0, TOKEN_TEXT * n, [TOKEN_ID] * n, "length" if done else None)
                 yield OutputDelta(output=out, finished=done, replica=self.replica_id if first else None,
                                   engine_first_token_s=time.perf_counter() - t0 if first else None,
-                                  num_cached_tokens=0 if first else None)
+                                  num_cached_tokens=0 if first else None, held_tokens=held if first else None)
                 first = False
             self.cache.store(prompt + [TOKEN_ID] * (seq.generated - 1))  # the answer's KV, all but the last token's
         finally:

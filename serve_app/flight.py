@@ -67,6 +67,7 @@ class Flight:
     prefix_hashes: tuple[int, ...] = ()  # the prompt's block hashes, when the model has a prefix index
     cached_predicted: dict[str, int] | None = None  # prompt tokens the index thought each chosen instance held
     prefill_cached_tokens: int | None = None  # ... and what the prefill engine's prefix cache supplied
+    decode_held_tokens: int | None = None  # ... and what the decode engine held, by its KV events, when the call came
     finish_reason: str | None = None
     finished: bool = False
 

@@ -115,6 +115,7 @@ class OutputDelta:
     engine_first_token_s: float | None = None  # engine-side time from the call to this delta (first only)
     num_cached_tokens: int | None = None  # prompt tokens the engine's prefix cache or the KV pull supplied (first)
     prompt_logprobs: Any = None  # computed here (a local prefill) and asked for (first only)
+    held_tokens: int | None = None  # prompt tokens its KV events said the engine held when the call came (first)
 
 
 @dataclass(frozen=True, slots=True)

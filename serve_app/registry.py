@@ -62,7 +62,7 @@ class InstanceRegistry:
     """The live instances of every served model, kept current by `poll_forever`."""
 
     def __init__(self, models: Mapping[str, ServedModel], ledger: Ledger, counters: Counters,
-                 poll_interval_s: float, router_id: str = "") -> None:
+                 poll_interval_s: float, router_id: str = "", kv_events: bool = True) -> None:
         self.models = models
         self.router_id = router_id
         self.ledger = ledger
@@ -75,6 +75,7 @@ class InstanceRegistry:
         self._poll_now = asyncio.Event()  # a stream broke: poll at once rather than at the next period
         self.pushes = 0  # versions received by push
         self.push = True  # open state streams (in-process tests turn it off and poll by hand)
+        self.kv_events = kv_events  # take the prefix updates the engines push (else the index models the caches)
         self._constants: dict[tuple, EngineConstants] = {}
         self._warned: set[str] = set()
 
@@ -164,7 +165,7 @@ class InstanceRegistry:
         iid = f"{model.id_prefix}{role.value}-{r.replica}"
         if model.prefix_index is None and r.block_size > 0:  # one model's engines share one block size
             model.prefix_index = PrefixIndex(index_block_tokens(r.block_size))
-        if (p := r.prefixes) is not None and model.prefix_index is not None:  # pushed: taken whatever its seq
+        if (p := r.prefixes) is not None and model.prefix_index is not None and self.kv_events:  # whatever its seq
             model.prefix_index.apply(iid, seq=p.seq, since=p.since, added=p.added, removed=p.removed,
                                      snapshot=p.snapshot, now=now)
         inst = self.instances.get(iid)

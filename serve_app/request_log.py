@@ -69,6 +69,7 @@ def request_record(f: Flight, error: str | None, now: float, multi_model: bool, 
         "e2e_s": (now - f.t_arrival) if f.t_arrival else None,
         "prefill_engine_s": f.prefill_engine_s, "decode_engine_first_s": f.decode_engine_first_s,
         "cached_tokens_predicted": f.cached_predicted, "prefill_cached_tokens": f.prefill_cached_tokens,
+        "decode_held_tokens": f.decode_held_tokens,
     }
     if multi_model:
         record.update({"requested_model": f.requested_model, "model": f.model.name if f.model else None})

@@ -180,7 +180,8 @@ class Router:
         self.ledger = Ledger()  # shared by the registry (polls, departures) and the dispatcher (admissions)
         self.counters = Counters()
         self.metrics = RouterMetrics()
-        self.registry = InstanceRegistry(self.served, self.ledger, self.counters, rc.poll_interval_s, self.router_id)
+        self.registry = InstanceRegistry(self.served, self.ledger, self.counters, rc.poll_interval_s, self.router_id,
+                                         kv_events=rc.prefix_index == "events")
         self.dispatcher = Dispatcher(self.registry, self.ledger, self.counters, RequestLog(rc.request_log),
                                      accuracy, rc.prefill_retries, multi_model=bool(self.alias),
                                      router_id=self.router_id, migration_limit=rc.migration_limit,

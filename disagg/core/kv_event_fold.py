@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from disagg.core.prefix_index import prompt_block_hashes
+
 
 @dataclass(frozen=True, slots=True)
 class _Block:
@@ -94,6 +96,16 @@ class KvEventFold:
             self._held[h] = 1
             self._release(h)
         self._blocks.clear()
+
+    def held_tokens(self, token_ids: Sequence[int]) -> int:
+        """The leading tokens of a prompt the engine holds, in whole index blocks (vLLM recomputes a
+        prompt's last token, so at most the blocks before it)."""
+        n, held = 0, self._held
+        for h in prompt_block_hashes(token_ids[:-1], self.index_block_tokens):
+            if h not in held:
+                break
+            n += 1
+        return n * self.index_block_tokens
 
     def take_delta(self) -> tuple[frozenset[int], frozenset[int]]:
         """(router hashes added, removed) since the previous call; net: none is in both."""

@@ -90,3 +90,13 @@ def test_a_reset_removes_everything_and_an_unknown_parent_is_counted_not_guessed
     assert fold.take_delta() == (frozenset(), frozenset(prompt_block_hashes(prompt, INDEX)))
     fold.stored(hashes[3], hashes[4:6], prompt[64:96], BLOCK)  # its parent's event was missed
     assert fold.unattributed == 2 and fold.held == frozenset()
+
+
+def test_what_an_engine_holds_of_a_prompt_is_counted_in_whole_index_blocks_before_its_last_token():
+    fold = KvEventFold(INDEX)
+    prompt = list(range(3000, 3000 + 256))  # 4 index blocks exactly
+    store(fold, prompt)
+    assert fold.held_tokens(prompt) == 192  # the last block ends at the last token: vLLM computes that one
+    assert fold.held_tokens(prompt + [1]) == 256
+    assert fold.held_tokens(prompt[:64] + [9] * 200) == 64
+    assert fold.held_tokens(list(range(100))) == 0
