@@ -93,6 +93,8 @@ def test_an_eviction_under_load_reaches_every_routers_index_as_vllm_reports_it(c
     assert route(again)["served_prefill"] == first["served_prefill"]  # the CPU profile has one prefill engine
     record = logged(stack, again.json()["id"])
     assert record["prefill_cached_tokens"] == record["cached_tokens_predicted"]["prefill"] == full
+    # the decode side, against what the decode engine's events said it held when the call came
+    assert record["decode_held_tokens"] == record["cached_tokens_predicted"]["decode"]
 
     capacity = max(v["kv_capacity_tokens"] for v in instances.values())
     n = int(2.5 * capacity / LOAD_PROMPT) + 1
@@ -122,5 +124,6 @@ def test_an_eviction_under_load_reaches_every_routers_index_as_vllm_reports_it(c
     assert route(back)["served_prefill"] == first["served_prefill"]
     record = logged(stack, back.json()["id"])
     assert record["prefill_cached_tokens"] == record["cached_tokens_predicted"]["prefill"] == 0
+    assert record["decode_held_tokens"] == record["cached_tokens_predicted"]["decode"]
     state = client.get("/admin/state").json()
     assert sum(v["kv_events_missed"] for v in state["instances"].values()) == 0
