@@ -102,13 +102,7 @@ class Admin:
 
     def prefix(self, raw_body: bytes) -> dict:
         """What this replica's index says each of a model's instances holds of a prompt."""
-        try:
-            body = json.loads(raw_body)
-            if not isinstance(body, dict):
-                raise TypeError
-        except (json.JSONDecodeError, TypeError, UnicodeDecodeError):
-            raise ApiError('body must be {"prompt_token_ids": [<int>, ...], "model": <name>}',
-                           param="prompt_token_ids") from None
+        body = _json_object(raw_body, '{"prompt_token_ids": [<int>, ...], "model": <name>}', "prompt_token_ids")
         ids = body.get("prompt_token_ids")
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ApiError("prompt_token_ids must be a non-empty list of integers", param="prompt_token_ids")
@@ -189,13 +183,7 @@ class Admin:
     async def probe(self, raw_body: bytes) -> dict:
         """Run one calibration probe on the instance the body names; 400 naming the field for a bad
         body, an unknown instance or a size its engines cannot take."""
-        try:
-            body = json.loads(raw_body)
-            if not isinstance(body, dict):
-                raise TypeError
-        except (json.JSONDecodeError, TypeError, UnicodeDecodeError):
-            raise ApiError('body must be {"instance": <id>, "kind": "prefill"|"decode", "size": <int>}',
-                           param="instance") from None
+        body = _json_object(raw_body, '{"instance": <id>, "kind": "prefill"|"decode", "size": <int>}', "instance")
         inst = self.registry.get(body.get("instance")) if isinstance(body.get("instance"), str) else None
         if inst is None:
             raise ApiError(f"instance must be a live instance id, got {body.get('instance')!r}; live: "
@@ -243,6 +231,17 @@ class Admin:
                 key = role.value if len(self.models) == 1 else f"{m.name}:{role.value}"
                 out[key] = await h.broadcast("reset_prefix_cache").results_async(timeout_s=30.0)
         return out
+
+
+def _json_object(raw_body: bytes, shape: str, param: str) -> dict:
+    """The body as a JSON object, or a 400 naming `param` and the expected `shape`."""
+    try:
+        body = json.loads(raw_body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = None
+    if not isinstance(body, dict):
+        raise ApiError(f"body must be {shape}", param=param)
+    return body
 
 
 def _bounded_int(body: dict, key: str, low: int, high: int, default: int | None) -> int:
