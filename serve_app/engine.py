@@ -174,6 +174,20 @@ def engine_processes_under(pid: int) -> dict[int, str]:
     Parent links only, no start-time check: psutil's `children()` drops a child whose start time
     reads earlier than its parent's, and it adds the boot time read anew each call, which moves
     with the wall clock (a clock step on a VM hides every child)."""
+    out = {}
+    for child in descendants(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if any(m in cmd for m in ENGINE_PROCESS_MARKERS):
+            out[child] = cmd
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process descended from process `pid` (parent links in /proc), nearest first."""
     parents = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -183,18 +197,13 @@ def engine_processes_under(pid: int) -> dict[int, str]:
             except OSError:  # gone since the listing
                 continue
             parents[int(entry)] = int(stat[stat.rfind(b")") + 2:].split()[1])
-    found, frontier = {}, [pid]
+    found, frontier = [], [pid]
     while frontier:
-        parent = frontier.pop()
-        for child in (c for c, p in parents.items() if p == parent and c not in found):
-            try:
-                with open(f"/proc/{child}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            except OSError:
-                continue
-            found[child] = cmd
-            frontier.append(child)
-    return {c: cmd for c, cmd in found.items() if any(m in cmd for m in ENGINE_PROCESS_MARKERS)}
+        parent = frontier.pop(0)
+        children = [c for c, p in parents.items() if p == parent and c not in found]
+        found += children
+        frontier += children
+    return found
 
 
 def make_runtime_dir() -> str:
@@ -369,6 +378,13 @@ class VllmEngine:
         llm.shutdown()
         del llm
         gc.collect()  # see shutdown()
+
+    def process_ids(self) -> tuple[int, ...]:
+        """This engine's processes: the EngineCore(s) vLLM started, as its own process handles name
+        them, then their descendants (the workers). Empty before start and after shutdown."""
+        resources = getattr(getattr(self._llm, "engine_core", None), "resources", None)
+        cores = [p.pid for p in getattr(getattr(resources, "engine_manager", None), "processes", ()) if p.pid]
+        return tuple(cores + [d for c in cores for d in descendants(c)])
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine and its EngineCore process. Safe to call twice."""

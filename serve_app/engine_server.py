@@ -252,6 +252,7 @@ class EngineServer:
         self.planned_width: int | None = None  # this pool's width as the router's planner last set it
         self.publisher: StatePublisher | None = None  # from the end of the warm-up on
         self.kv_events: KvEventFollower | None = None  # with KV events on, from the engine's start on
+        self.engine_pids: tuple[int, ...] = ()  # the engine's processes, from the end of the warm-up on
         self.port = claim_port(host, cfg.engine.side_channel_ports)
         self.engine = VllmEngine(engine_spec(cfg, self.role, host, self.port.port))
         try:
@@ -269,6 +270,7 @@ class EngineServer:
             self.port.release()
             raise
         s = await self.engine.state()
+        self.engine_pids = self.engine.process_ids()  # fixed from the engine's start on
         self.publisher = StatePublisher(self._report, cfg.engine.push_interval_s, s.block_size,
                                         s.kv_capacity_tokens, cfg.engine.state_age_bound_s,
                                         self.kv_events.fold if self.kv_events else None)
@@ -389,7 +391,7 @@ class EngineServer:
             prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
             kv_transfers_ok=s.kv_transfers_ok, kv_transfers_failed=s.kv_transfers_failed,
             kv_received_tokens=s.kv_received_tokens, admitted=self.admitted.totals(), pid=os.getpid(),
-            block_size=s.block_size, node_id=self.node_id,
+            block_size=s.block_size, node_id=self.node_id, engine_pids=self.engine_pids,
             kv_events_missed=self.kv_events.missed + self.kv_events.fold.unattributed if self.kv_events else 0)
 
     async def reset_prefix_cache(self) -> bool:

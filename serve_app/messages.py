@@ -159,6 +159,7 @@ class EngineStateReport:
     kv_received_tokens: int  # prompt tokens whose KV arrived from a remote engine
     admitted: dict[str, tuple[float, int]] = field(default_factory=dict)  # router → (work s, calls) it is serving
     pid: int = 0  # the replica's process (its vLLM engine processes are its children)
+    engine_pids: tuple[int, ...] = ()  # its vLLM engine's processes: the EngineCore first, then its workers
     block_size: int = 0  # tokens per KV block (the router's prefix index hashes in multiples of it)
     node_id: str = ""  # the Ray node the replica runs on (its KV crosses nodes when the pair's differ)
     seq: int = 0  # this state's version (`serve_app.state_push`): calls name the one they were decided on

@@ -345,9 +345,9 @@ def test_roles_and_sampling_are_validated(engines: Engines):
 def test_idle_workers_do_not_spin(engines: Engines):
     """NIXL's busy-polling progress thread would keep each worker at ~100 % of a core."""
     psutil = pytest.importorskip("psutil")
-    # This process's own engines only (a session-wide Ray stack may run engines too).
-    cores = [p for p in psutil.Process().children() if "EngineCore" in p.name()]
-    workers = [w for c in cores for w in c.children() if "Worker" in w.name()]
+    # this module's engines: each names its EngineCore, then the processes under it
+    workers = [w for e in engines.engines.values() for w in map(psutil.Process, e.process_ids()[1:])
+               if "Worker" in w.name()]
     assert len(workers) == len(engines.engines)
     for w in workers:
         w.cpu_percent(None)
@@ -524,10 +524,10 @@ def test_tensor_parallel_engines_hand_off_kv_rank_to_rank(engines: Engines):
     """`tensor_parallel_size: 2` on vLLM's CPU build (two worker processes per engine, as on GPUs):
     the KV moves over NIXL rank to rank, and the answer equals the same TP-2 engine's own (TP 1 may
     round differently in bf16, so it is not the reference)."""
+    _replace_pair(engines, tensor_parallel_size=2)
     import psutil
 
-    _replace_pair(engines, tensor_parallel_size=2)
-    cores = [p for p in psutil.Process().children() if "EngineCore" in p.name()]
-    workers = {c.pid: [w.name() for w in c.children(recursive=True) if "Worker" in w.name()] for c in cores}
-    assert sorted(len(w) for w in workers.values()) == [1, 2, 2], workers  # C, then the pair's two ranks each
+    workers = {name: sum("Worker" in psutil.Process(p).name() for p in e.process_ids()[1:])
+               for name, e in engines.engines.items()}
+    assert workers == {"colocated": 1, "prefill": 2, "decode": 2}, workers  # the pair's two ranks each
     _handoffs_match(engines, engines.D, "tp2")  # the decode engine, prefilling locally, is the reference

@@ -57,12 +57,20 @@ def running(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2:].split()[0] != b"Z"
 
 
+def engine_pids(instance: dict) -> tuple[int, ...]:
+    """The engine processes of the replica behind `instance` (an /admin/state entry), EngineCore first,
+    as vLLM's own process handles name them in the replica."""
+    pids = tuple(instance["engine_pids"])
+    assert pids and running(pids[0]), (
+        f"replica pid {instance['pid']} reports engine processes {pids}; by parent links and name: "
+        f"{engine_processes_under(instance['pid'])}")
+    return pids
+
+
 def kill_engine_core(instance: dict) -> set[int]:
-    """SIGKILL the EngineCore of the replica behind `instance` (an /admin/state entry); its engine pids."""
-    pids = engine_processes_under(instance["pid"])
-    core = [pid for pid, cmd in pids.items() if "EngineCore" in cmd]
-    assert core, f"no EngineCore under replica pid {instance['pid']}: {pids}"
-    os.kill(core[0], signal.SIGKILL)
+    """SIGKILL the EngineCore of the replica behind `instance`; its engine pids."""
+    pids = engine_pids(instance)
+    os.kill(pids[0], signal.SIGKILL)
     return set(pids)
 
 
@@ -322,14 +330,13 @@ def test_a_decode_replicas_worker_killed_takes_its_engine_processes_with_it_and_
     before = wait_until_idle(client)
     decodes = {k: v for k, v in before["instances"].items() if v["role"] == "decode"}
     victim, inst = sorted(decodes.items())[0]
-    engines = engine_processes_under(inst["pid"])
-    assert any("EngineCore" in cmd for cmd in engines.values()), f"no EngineCore under replica pid {inst['pid']}"
+    engines = engine_pids(inst)
     os.kill(inst["pid"], signal.SIGKILL)
     t0 = time.monotonic()
     while any(running(p) for p in engines) \
             and time.monotonic() - t0 < ENGINE_GONE_S:
         time.sleep(0.2)
-    alive = {p: cmd for p, cmd in engines.items() if running(p)}
+    alive = [p for p in engines if running(p)]
     assert not alive, f"engine processes of the killed replica outlived it by {ENGINE_GONE_S:.0f} s: {alive}"
     after = wait_until_replaced(client, victim, "decode", len(decodes))
     killed_on_purpose(stack, set(engines), victim)
