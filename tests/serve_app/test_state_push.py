@@ -137,12 +137,16 @@ def _store(fold: KvEventFold, tokens: list[int]) -> tuple[int, ...]:
     return prompt_block_hashes(tokens, fold.index_block_tokens)
 
 
+def _with_prefixes() -> tuple[Engine, KvEventFold, StatePublisher]:
+    """An engine, its fold of KV events (64-token index blocks) and a publisher that pushes both."""
+    e, fold = Engine(), KvEventFold(64)
+    return e, fold, StatePublisher(e.read, push_interval_s=0.0, block_size=16, kv_capacity_tokens=0,
+                                   age_bound_s=0.02, prefixes=fold)
+
+
 @in_loop
 async def test_each_watcher_gets_a_snapshot_of_the_prefixes_then_the_net_change_since_its_last_version():
-    e = Engine()
-    fold = KvEventFold(64)
-    pub = StatePublisher(e.read, push_interval_s=0.0, block_size=16, kv_capacity_tokens=0, age_bound_s=0.02,
-                         prefixes=fold)
+    e, fold, pub = _with_prefixes()
     a = _store(fold, list(range(128)))
     await pub.publish()
     early = pub.watch()
@@ -166,10 +170,7 @@ async def test_each_watcher_gets_a_snapshot_of_the_prefixes_then_the_net_change_
 
 @in_loop
 async def test_a_snapshot_is_a_version_so_a_change_undone_after_it_still_reaches_its_reader():
-    e = Engine()
-    fold = KvEventFold(64)
-    pub = StatePublisher(e.read, push_interval_s=0.0, block_size=16, kv_capacity_tokens=0, age_bound_s=0.02,
-                         prefixes=fold)
+    e, fold, pub = _with_prefixes()
     await pub.publish()
     a = _store(fold, list(range(64)))  # stored after the last version ...
     w = pub.watch()
@@ -184,10 +185,7 @@ async def test_a_snapshot_is_a_version_so_a_change_undone_after_it_still_reaches
 
 @in_loop
 async def test_a_watcher_behind_the_kept_deltas_gets_a_snapshot():
-    e = Engine()
-    fold = KvEventFold(64)
-    pub = StatePublisher(e.read, push_interval_s=0.0, block_size=16, kv_capacity_tokens=0, age_bound_s=0.02,
-                         prefixes=fold)
+    e, fold, pub = _with_prefixes()
     await pub.publish()
     w = pub.watch()
     assert (await anext(w)).prefixes.snapshot
