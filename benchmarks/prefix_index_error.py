@@ -20,6 +20,12 @@ the decode side, what the engine's KV events said it held when the decode call c
 count there adds the tokens pulled over NIXL). The script reports each side's error in tokens
 (mean absolute, p99, the share exact, over- and under-predicted), and each mode's TTFT p50/p99,
 the share of turns within `--ttft-slo-ms`, and the tokens vLLM reused.
+
+`--repeats N` runs every mode N times, interleaved (the order alternates from one repeat to the
+next, so a slow spell of the machine does not land on one mode), and adds per mode the median and
+range of the TTFT and SLO figures over the repeats, with the paired difference of the share within
+the SLO (second mode minus first) per repeat: two shared cores are noisy, and a difference whose
+paired values straddle zero is not an effect.
 """
 
 from __future__ import annotations
@@ -163,6 +169,7 @@ def main() -> int:
     ap.add_argument("--ttft-slo-ms", type=float, default=750.0, help="report the share of turns within this TTFT "
                     "(the cpu-tiny profile's loose target)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per mode, interleaved")
     ap.add_argument("--json", type=Path, help="write the figures here (atomically)")
     args = ap.parse_args()
     modes = args.modes.split(",")
@@ -170,12 +177,35 @@ def main() -> int:
         ap.error(f"--modes: events and/or model, got {args.modes!r}")
 
     os.environ.update(_env())
+    results = []
     with tempfile.TemporaryDirectory(prefix="prefix-index-") as tmp:
-        results = [run_mode(m, args, Path(tmp)) for m in modes]
+        for k in range(args.repeats):
+            for m in modes if k % 2 == 0 else modes[::-1]:
+                results.append({"repeat": k, **run_mode(m, args, Path(tmp))})
+    over = repeats_summary(results, modes)
+    if args.repeats > 1:
+        log(json.dumps(over))
     if args.json:
         write_result(args.json, {"conversations": args.conversations, "concurrency": args.concurrency,
-                                 "turns": args.turns, "seed": args.seed, "modes": results})
+                                 "turns": args.turns, "seed": args.seed, "repeats": args.repeats,
+                                 "modes": results, "over_repeats": over})
     return 0
+
+
+def repeats_summary(results: list[dict], modes: list[str]) -> dict:
+    """Per mode: median and range over repeats of the figures that decide capacity; per repeat, the
+    paired difference in the share of turns within the SLO (the last mode minus the first)."""
+    out: dict = {}
+    for m in modes:
+        runs = [r for r in results if r["mode"] == m]
+        out[m] = {f: {"median": statistics.median(r[f] for r in runs), "min": min(r[f] for r in runs),
+                      "max": max(r[f] for r in runs)}
+                  for f in ("ttft_p50_s", "ttft_p99_s", "ttft_slo_share", "wall_s")}
+        out[m]["decode_exact_share"] = [r["decode"].get("exact_share") for r in runs]
+    if len(modes) == 2:
+        first, last = ({r["repeat"]: r["ttft_slo_share"] for r in results if r["mode"] == m} for m in modes)
+        out[f"slo_share_{modes[-1]}_minus_{modes[0]}"] = [round(last[k] - first[k], 4) for k in sorted(first)]
+    return out
 
 
 if __name__ == "__main__":
