@@ -14,6 +14,8 @@ from disagg.user_input import UsageError
 
 
 def cmd_calibrate(args) -> int:
+    if args.host and not args.live:
+        raise UsageError("--host measures the machine a running app is on: use it with --live --url")
     if args.live:
         return cmd_calibrate_live(args)
     if args.config is None:
@@ -54,6 +56,10 @@ def cmd_calibrate_live(args) -> int:
         overhead = serving_overhead([g for _, g in gaps])
         cm, fits = fit_fleet(samples, fleet.cost_model, args.name or f"live-{fleet.model}", fleet.source,
                              overhead, measured_at)
+        host_report = None
+        if args.host:
+            host, host_report = asyncio.run(_measure_host(url, fleet, cm, args.seed))
+            cm = cm.model_copy(update={"shared_host": host.model_copy(update={"measured_at": measured_at})})
     except CalibrationError as e:
         raise UsageError(f"calibration failed, nothing written: {e}") from None
     except (LiveCalibrationError, RuntimeError, OSError) as e:
@@ -74,14 +80,36 @@ def cmd_calibrate_live(args) -> int:
           f"loose TTFT {l.ttft_s * 1e3:.0f} ms / TPOT {l.tpot_s * 1e3:.1f} ms; KV transfer kept from "
           f"{fleet.cost_model.name!r}")
     print(f"held-out median relative error, median over {len(fits)} instances: {held:.1%}")
+    if cm.shared_host is not None:
+        h = cm.shared_host
+        print(f"shared host: {h.cores:g} cores, engines on {h.engine_cores:g}; serving path "
+              f"{h.token_cpu_s * 1e6:.0f} µs CPU per streamed token, {h.request_cpu_s * 1e3:.1f} ms per request")
     print(f"wrote {out} ({len(fits)} instances of {fleet.model}, measured {measured_at}) in {seconds:.0f} s of probes")
     if args.report:
         write_json_atomic(Path(args.report), {"instances": {iid: f.as_dict() for iid, f in fits.items()},
                                               "held_out_median": held, "seconds": seconds,
-                                              "serving_overhead_s": overhead, "cost_model": cm.to_dict()})
+                                              "serving_overhead_s": overhead, "shared_host": host_report,
+                                              "cost_model": cm.to_dict()})
     if args.apply:
         _apply_cost_model(url, out, fleet.model)
     return 0
+
+
+async def _measure_host(url: str, fleet, cm, seed: int):
+    """`--host`: the shared host's constants (`calibration.host`), with the constants just fitted."""
+    from calibration.host import measure_host
+    from disagg.app_client import AppError, AsyncAppClient
+    from calibration.live import LiveCalibrationError, PROBE_TIMEOUT_S
+
+    async with AsyncAppClient(url, timeout_s=PROBE_TIMEOUT_S, max_connections=len(fleet.instances)) as app:
+        async def post(body: dict) -> dict:
+            try:
+                return await app.probe(body)
+            except AppError as e:
+                raise LiveCalibrationError(f"{e} (probe {body})") from None
+
+        return await measure_host(url, fleet.model, fleet.instances, cm.engine, post, seed=seed,
+                                  log=lambda m: print(f"host: {m}", file=sys.stderr))
 
 
 def _apply_cost_model(url: str, path: Path, model: str) -> None:
@@ -209,6 +237,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                      help="--live: pause after every probe, so the fleet's own traffic is served (default 0.02)")
     cal.add_argument("--budget-s", type=float, default=120.0,
                      help="--live: stop with nothing written past this many seconds of probing (default 120)")
+    cal.add_argument("--host", action="store_true",
+                     help="--live, on the app's own machine: also measure how its engines share the host's "
+                          "processors and the serving path's CPU per token and per request (the CPU profile; "
+                          "not for engines that own their GPUs)")
     cal.add_argument("--apply", action="store_true",
                      help="--live: then have the router reload the file (it must lie inside router.cost_model_dir)")
     cal.set_defaults(func=cmd_calibrate)

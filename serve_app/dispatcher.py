@@ -42,6 +42,7 @@ import asyncio
 import contextvars
 import logging
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -52,7 +53,7 @@ from disagg.core.planner import WindowCounter
 from disagg.core.policies import Colocated
 from disagg.core.predictor import BucketMeanPredictor
 from disagg.core.prefix_index import PrefixIndex, prompt_block_hashes
-from disagg.core.ttft_estimator import TtftEstimateError
+from disagg.core.ttft_estimator import TtftEstimateError, peer_share
 from disagg.core.types import InstanceView, NoCapacity, RequestFeatures, Role, SloClass
 from disagg.core.utility import AccuracyTable, Choice
 from serve_app.engine_calls import bad_request, decided_on, last_line, refusal
@@ -213,6 +214,11 @@ class Dispatcher:
                 c = self.registry.constants(m, inst)
                 snap = instance_snapshot(self._snapshot_facts(inst), c, prefill_only=inst.role is Role.PREFILL)
                 candidates.append((ModelInstance(inst.instance_id, m.name, c, m.prices), snap))
+        host = next((m.cost_model.shared_host for m in models if m.cost_model.shared_host is not None), None)
+        if host is not None:  # engines on one host: each estimate runs at the stretch the others' load gives
+            candidates = [(dataclasses.replace(inst, host=peer_share(host, [(o.constants, s) for j, (o, s) in
+                                                                            enumerate(candidates) if j != i])), snap)
+                          for i, (inst, snap) in enumerate(candidates)]
         router = self.model_router if lam == self.model_router.lam else self.model_router.with_lambda(lam)
         now = time.monotonic()
         t0 = time.perf_counter()

@@ -24,6 +24,16 @@ Units are checked on load: a cost model whose numbers cannot describe real hardw
 above a second, a zero prefill slope) is refused with the offending value named — with wrong units
 the marginal-cost scorer silently degenerates into queue counting, which is the failure the
 calibration paper measured.
+
+Shared hardware (`shared_host`): where the engines do not own their devices — the CPU profile runs
+every engine's compute on one core and the serving path's Python on the host's cores beside them —
+every busy engine's steps run slower than alone by one stretch factor, processor sharing:
+
+    stretch = max(1, k / engine_cores, (k + serving_cores) / cores)
+
+with k engines busy and the serving path demanding `serving_cores` at full speed: token_cpu_s per
+streamed token plus request_cpu_s per request served, at the rates the busy engines produce them.
+Absent (one GPU per engine), the stretch is 1 and every formula above holds as it is.
 """
 
 from __future__ import annotations
@@ -101,6 +111,41 @@ def attention_pairs(chunk_tokens: int, context_tokens: int) -> float:
     return chunk_tokens * (context_tokens + chunk_tokens / 2)
 
 
+class SharedHost(_Strict):
+    """Engines that share one host's processors with each other and with the serving path."""
+
+    engine_cores: float = Field(gt=0.0, le=4096.0,
+                                description="processors the engines' steps run on, together: k busy engines each "
+                                            "get engine_cores / k of one when k exceeds it")
+    cores: float = Field(gt=0.0, le=4096.0,
+                         description="processors of the host, shared by the engines' steps and the serving path")
+    token_cpu_s: float = Field(default=0.0, ge=0.0, le=0.1,
+                               description="CPU seconds per streamed token outside the engines' steps (output "
+                                           "processing, engine replica, router, proxy)")
+    request_cpu_s: float = Field(default=0.0, ge=0.0, le=1.0,
+                                 description="CPU seconds per request served outside the engines' steps "
+                                             "(rendering, routing, the prefill and decode calls)")
+    measured_at: str | None = Field(default=None, description="when calibration measured these (ISO 8601, UTC)")
+
+    @model_validator(mode="after")
+    def _engines_fit_on_the_host(self) -> "SharedHost":
+        if self.engine_cores > self.cores:
+            raise ValueError(f"engine_cores ({self.engine_cores!r}) cannot exceed the host's cores ({self.cores!r})")
+        return self
+
+    def stretch(self, busy: int, serving_cores: float = 0.0) -> float:
+        """How many times slower than alone each busy engine's steps run, with `busy` engines busy and
+        the serving path demanding `serving_cores` (processors at full speed); 1 when nothing is busy."""
+        if busy <= 0:
+            return 1.0
+        return max(1.0, busy / self.engine_cores, (busy + serving_cores) / self.cores)
+
+    def serving_cores(self, tokens: float, requests: float, seconds: float) -> float:
+        """Processors the serving path needs to keep up with `tokens` streamed and `requests` started
+        every `seconds` (an unstretched step's length)."""
+        return (tokens * self.token_cpu_s + requests * self.request_cpu_s) / seconds
+
+
 class TransferConstants(_Strict):
     latency_s: float = Field(ge=0.0, le=10.0, description="fixed cost of one KV transfer (s)")
     tokens_per_s: float = Field(gt=0.0, description="KV transfer bandwidth in tokens per second")
@@ -133,6 +178,9 @@ class CostModel(_Strict):
         description="time a request spends outside the engines before its first token reaches the client "
                     "(HTTP proxy, router, Serve hops), unloaded; measured by `disagg calibrate --url`",
     )
+    shared_host: SharedHost | None = Field(
+        default=None, description="engines sharing one host's processors with each other and the serving path "
+                                  "(CPU profiles); None: each engine owns its device (one GPU each)")
     calibrated: bool = Field(default=False, description="true when written by `disagg calibrate`")
 
     @field_validator("slo")

@@ -22,9 +22,15 @@ What is modelled (vLLM v1 scheduler semantics):
   with blocks for the whole prompt, hold them during the transfer without computing, and then
   decode (their first step produces the first token).
 
+Engines that share a host (`CostModel.shared_host`) are given one `HostShare`: each step is then
+stretched by the host's processor sharing at the moment it is planned — how many of the host's
+engines are busy, and the serving path's CPU (per streamed token and per request) their steps
+call for. The stretch is fixed for the step, or the macro step, it is planned for; whoever drives
+the engines cuts macro steps short when the number of busy engines changes (the simulator does).
+
 What is not: prefix caching, speculative decoding, the dependence of a decode step's time on its
-sequences' context length, CPU-side overheads (tokenisation, detokenisation, HTTP) and the block
-that vLLM writes for the last prompt token on the decode side (one token per request).
+sequences' context length, and the block that vLLM writes for the last prompt token on the decode
+side (one token per request).
 
 Speed: decoding sequences share one step counter, so advancing the whole batch is O(1); between
 events (an arrival, a completion, running out of blocks) the model plans a *macro step* of k
@@ -38,7 +44,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from disagg.core.cost_model import EngineConstants, attention_pairs
+from disagg.core.cost_model import EngineConstants, SharedHost, attention_pairs
 
 
 class JobState(Enum):
@@ -100,8 +106,48 @@ class StepOutcome:
 _QUIET_STEP = StepOutcome([], [], [])
 
 
+class HostShare:
+    """The busy engines of one shared host and the serving-path CPU their steps call for; says how
+    much slower than alone a step planned now runs (`SharedHost.stretch`). An engine is busy from
+    the step it plans until it finds nothing to run."""
+
+    def __init__(self, host: SharedHost) -> None:
+        self.host = host
+        self.loads: dict[str, float] = {}  # busy engine → serving cores its current step calls for
+        self.total = 0.0
+        self.busy_changes = 0  # bumped whenever an engine becomes busy or idle
+
+    def step(self, instance_id: str, tokens: int, requests: int, seconds: float) -> float:
+        """An engine plans a step of `seconds` (alone) that streams `tokens` and starts `requests`:
+        its stretch."""
+        load = self.host.serving_cores(tokens, requests, seconds)
+        old = self.loads.get(instance_id)
+        if old is None:
+            self.busy_changes += 1
+            old = 0.0
+        self.loads[instance_id] = load
+        self.total += load - old
+        return self.host.stretch(len(self.loads), self.total)
+
+    def idle(self, instance_id: str) -> None:
+        old = self.loads.pop(instance_id, None)
+        if old is not None:
+            self.busy_changes += 1
+            self.total = self.total - old if self.loads else 0.0  # no rounding drift once all are idle
+
+    @property
+    def busy(self) -> int:
+        return len(self.loads)
+
+    def copy(self) -> "HostShare":
+        other = HostShare(self.host)
+        other.loads = dict(self.loads)
+        other.total = self.total
+        return other
+
+
 class EngineModel:
-    def __init__(self, instance_id: str, constants: EngineConstants) -> None:
+    def __init__(self, instance_id: str, constants: EngineConstants, share: HostShare | None = None) -> None:
         self.instance_id = instance_id
         self.c = constants
         self.bs = constants.block_size
@@ -130,6 +176,7 @@ class EngineModel:
         self.preemptions = 0
         self.version = 0  # bumped whenever what a poll reads may have changed
         self._decode_step_s: dict[int, float] = {}  # batch size → `c.step_s(0, size)`
+        self.share = share  # the host this engine shares with others; None: it owns its device
 
     # --- what the router's poll sees -------------------------------------------------------
 
@@ -226,6 +273,8 @@ class EngineModel:
 
     def _plan(self, now: float) -> float | None:
         if not (self.waiting or self.ready or self.decoding or self.prefilling):
+            if self.share is not None:
+                self.share.idle(self.instance_id)
             return None  # nothing to run (a common poke: a transfer out just freed blocks)
         self.version += 1
         if self.ready:
@@ -256,6 +305,8 @@ class EngineModel:
                 if attention:  # each chunk attends to what its job has computed so far (advanced at end_step)
                     pairs += attention_pairs(c, job.computed)
             self._dur = self.c.step_s(tokens, n, pairs) + self.c.prefill_overhead_s * finishing
+            if self.share is not None:
+                self._dur *= self.share.step(self.instance_id, n + finishing, finishing, self._dur)
         elif n:
             while self._fin and self._fin[0][3].epoch != self._fin[0][2]:
                 heapq.heappop(self._fin)
@@ -275,9 +326,13 @@ class EngineModel:
             dur = self._decode_step_s.get(n)
             if dur is None:  # the step time of a decode-only batch depends on its size alone: memoised
                 dur = self._decode_step_s[n] = self.c.step_s(0, n)
+            if self.share is not None:
+                dur *= self.share.step(self.instance_id, n, 0, dur)
             self._dur = dur
         else:
             self.busy = False
+            if self.share is not None:
+                self.share.idle(self.instance_id)
             return None
         # nothing that changes the decoding batch happens before `end_step`, which allocates these blocks,
         # unless a poke cuts the step short

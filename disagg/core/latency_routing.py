@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from disagg.core.cost_model import EngineConstants
+from disagg.core.engine_model import HostShare
 from disagg.core.ttft_estimator import InstanceSnapshot, estimate_ttft
 from disagg.core.types import NoCapacity
 from disagg.core.utility import (
@@ -54,12 +55,14 @@ from disagg.core.utility import (
 
 @dataclass(frozen=True, slots=True)
 class ModelInstance:
-    """One engine instance serving one model: its id, model name, calibrated constants and prices."""
+    """One engine instance serving one model: its id, model name, calibrated constants and prices;
+    `host`: where it shares a host with other engines, the share they take (`peer_share`)."""
 
     instance_id: str
     model: str
     constants: EngineConstants
     prices: ModelPrices
+    host: HostShare | None = None
 
 
 def can_ever_hold(constants: EngineConstants, prompt_tokens: int) -> bool:
@@ -98,12 +101,12 @@ def route_by_latency(
     if not any(holds):
         raise NoCapacity(f"a prompt of {prompt_tokens} tokens fits no instance's KV cache")
     # First pass: simulate each instance only up to the limit (a censored estimate is > limit).
-    ttfts = [estimate_ttft(inst.constants, snap, prompt_tokens, now, horizon_s=ttft_limit_s).ttft_s
+    ttfts = [estimate_ttft(inst.constants, snap, prompt_tokens, now, horizon_s=ttft_limit_s, host=inst.host).ttft_s
              if ok else math.inf
              for (inst, snap), ok in zip(instances, holds)]
     if not any(t <= ttft_limit_s for t in ttfts):
         # Nobody meets the limit: the fallback is the fastest, so every estimate must be complete.
-        ttfts = [estimate_ttft(inst.constants, snap, prompt_tokens, now).ttft_s if ok else math.inf
+        ttfts = [estimate_ttft(inst.constants, snap, prompt_tokens, now, host=inst.host).ttft_s if ok else math.inf
                  for (inst, snap), ok in zip(instances, holds)]
     candidates = [
         Candidate(inst.instance_id, inst.model, t, accuracy.predict(inst.model, prompt_tokens),

@@ -101,7 +101,7 @@ class ModelRouter:
         inst, snap = fleet[routed.index]
         chosen_ttft = routed.estimated_ttft_s
         if chosen_ttft is None:  # measurement only: this router does not estimate
-            chosen_ttft = estimate_ttft(inst.constants, snap, prompt_tokens, now).ttft_s
+            chosen_ttft = estimate_ttft(inst.constants, snap, prompt_tokens, now, host=inst.host).ttft_s
         terms = []
         for i, (m, _) in enumerate(fleet):
             acc = self.accuracy.predict(m.model, prompt_tokens)
@@ -207,7 +207,7 @@ class LoadBalance(ModelRouter):
             if not can_ever_hold(inst.constants, prompt_tokens):
                 continue
             horizon = None if best < 0 else best_t
-            t = estimate_ttft(inst.constants, snap, prompt_tokens, now, horizon_s=horizon).ttft_s
+            t = estimate_ttft(inst.constants, snap, prompt_tokens, now, horizon_s=horizon, host=inst.host).ttft_s
             if t < best_t:
                 best, best_t = i, t
         if best < 0:

@@ -57,8 +57,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from disagg.core.cost_model import EngineConstants
-from disagg.core.engine_model import EngineModel, Job, JobState
+from disagg.core.cost_model import EngineConstants, SharedHost
+from disagg.core.engine_model import EngineModel, HostShare, Job, JobState
 
 DEFAULT_MAX_STEPS = 100_000
 
@@ -205,14 +205,15 @@ def _check_transfer(value: float, name: str = "transfer_s") -> None:
 _PROBE = object()  # the new query's rid: unique, never equal to a snapshot rid
 
 
-def _build(c: EngineConstants, snap: InstanceSnapshot, now: float) -> tuple[EngineModel, list]:
+def _build(c: EngineConstants, snap: InstanceSnapshot, now: float,
+           share: HostShare | None = None) -> tuple[EngineModel, list]:
     """An engine model in the snapshot's state at `now`, plus its heap of transfer ends.
 
     Jobs are placed in the engine's own queues as the engine itself leaves them at a step boundary;
     decoding jobs join through the engine's `_join`, so their step bookkeeping is the engine's.
     A job's `payload` is its transfer time (the model never reads payloads).
     """
-    e = EngineModel("ttft-estimate", c)
+    e = EngineModel("ttft-estimate", c, share)
     bs = e.bs
     used = 0
     rid = 0
@@ -290,6 +291,7 @@ def estimate_ttft(
     transfer_s: float = 0.0,
     horizon_s: float | None = None,
     max_steps: int = DEFAULT_MAX_STEPS,
+    host: HostShare | None = None,
 ) -> TtftEstimate:
     """The new query's TTFT on the instance `snapshot` describes, if it were queued there at `now`.
 
@@ -302,6 +304,11 @@ def estimate_ttft(
     inf too unless the query was already admitted). A router that only needs to know whether a
     candidate meets a TTFT limit passes the limit; an estimate that is not censored is exactly
     the one without a horizon.
+
+    `host`: the instance shares its host with other engines (`CostModel.shared_host`): what
+    `peer_share` makes of the other instances' snapshots, which are taken to stay as busy as they
+    are now; each of this instance's steps runs at the stretch they and it give. The estimate copies
+    it, so one share serves every estimate of a decision.
 
     Raises ValueError for a query this instance can never hold (or a snapshot beyond its KV
     cache), and TtftEstimateError when `max_steps` events pass without the first token (a snapshot
@@ -317,7 +324,7 @@ def estimate_ttft(
     if horizon_s is not None and not (horizon_s >= 0.0):
         raise ValueError(f"horizon_s must be >= 0 or None, got {horizon_s!r}")
     until = math.inf if horizon_s is None else now + horizon_s
-    e, events = _build(constants, snapshot, now)
+    e, events = _build(constants, snapshot, now, None if host is None else host.copy())
     if not e.can_ever_fit(new_prompt_tokens):
         raise ValueError(f"new_prompt_tokens={new_prompt_tokens} can never fit this instance's KV cache "
                          f"({constants.kv_capacity_tokens} tokens)")
@@ -365,6 +372,18 @@ def estimate_ttft(
         f"no first token for the new query within max_steps={max_steps} events "
         f"(snapshot of {snapshot.in_flight} requests; can they all fit {constants.kv_capacity_tokens} KV tokens?)"
     )
+
+
+def peer_share(host: SharedHost, peers: Iterable[tuple[EngineConstants, InstanceSnapshot]]) -> HostShare:
+    """The share of `host` that the given other instances take, each as busy as its snapshot: an
+    instance with requests in flight is busy, and its decoding batch streams a token per sequence
+    every decode step (what the serving path's CPU follows)."""
+    share = HostShare(host)
+    for k, (c, snap) in enumerate(peers):
+        if snap.in_flight:
+            decoding = sum(not r.prefilling for r in snap.running)
+            share.step(f"peer-{k}", decoding, 0, c.decode_token_s(decoding))
+    return share
 
 
 # --- reading an engine model ---------------------------------------------------------------------

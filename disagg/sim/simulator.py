@@ -85,7 +85,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from disagg.core.cost_model import CostModel
-from disagg.core.engine_model import EngineModel, Job
+from disagg.core.engine_model import EngineModel, HostShare, Job
 from disagg.core.ledger import AdmittedWork, Ledger, PolledState, admission_work, others
 from disagg.core.policies import Policy
 from disagg.core.predictor import BucketMeanPredictor, OutputLengthPredictor
@@ -209,11 +209,13 @@ class Simulator:
         self.ledger = self.ledgers[0]
         self.engines: dict[str, EngineModel] = {}
         self.roles: dict[str, Role] = {}
+        # engines on one shared host (the CPU profile) slow each other down; each owns its device otherwise
+        self.share = HostShare(cost_model.shared_host) if cost_model.shared_host is not None else None
         for iid in topology.prefill_ids():
-            self.engines[iid] = EngineModel(iid, cost_model.for_instance(iid))
+            self.engines[iid] = EngineModel(iid, cost_model.for_instance(iid), self.share)
             self.roles[iid] = Role.PREFILL
         for iid in topology.decode_ids():
-            self.engines[iid] = EngineModel(iid, cost_model.for_instance(iid))
+            self.engines[iid] = EngineModel(iid, cost_model.for_instance(iid), self.share)
             self.roles[iid] = Role.DECODE
         self.prefill_ids = topology.prefill_ids()  # the instances the router may route to
         self.decode_ids = topology.decode_ids()
@@ -319,11 +321,15 @@ class Simulator:
 
     def _poke(self, iid: str, now: float) -> None:
         engine = self.engines[iid]
+        share = self.share
+        changes = share.busy_changes if share is not None else 0
         end = engine.poke(now)
         if end is not None:  # a new step end; a step event of an earlier epoch is now stale
             epoch = self._step_epoch[iid] = self._step_epoch[iid] + 1
             self._seq += 1
             heapq.heappush(self._heap, (end, _STEP, self._seq, ("step", iid, epoch)))
+        if share is not None and share.busy_changes != changes:
+            self._reshare(iid, now)
         if self.roles[iid] is Role.PREFILL:  # KV is transferred in only by decode instances
             return
         for job in engine.take_transfers():
@@ -333,6 +339,20 @@ class Simulator:
                 tokens = self._tokens_to_transfer(f)
             xfer = self.cm.transfer_s(f.prefill_id, f.decode_id, tokens)
             self._push(now + xfer, _TRANSFER, ("kv", f))
+
+    def _reshare(self, changed: str, now: float) -> None:
+        """An engine of the shared host became busy or idle: the other busy engines' steps change
+        speed from the end of their step in flight (their macro steps are cut there, and re-planned
+        at the new stretch)."""
+        for iid in list(self.share.loads):
+            engine = self.engines[iid]
+            if iid == changed or not engine.busy:  # one between steps is planned by whoever ended its step
+                continue
+            end = engine.poke(now)
+            if end is not None:
+                epoch = self._step_epoch[iid] = self._step_epoch[iid] + 1
+                self._seq += 1
+                heapq.heappush(self._heap, (end, _STEP, self._seq, ("step", iid, epoch)))
 
     def _poll_one(self, iid: str, k: int) -> PolledState:
         """What router k's poll of `iid` reads: the engine's KV use, and the other routers' totals

@@ -3,6 +3,7 @@
 them with when they were measured."""
 
 import json
+import os
 import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
@@ -69,7 +70,7 @@ def test_the_running_fleet_is_calibrated_per_instance_and_the_router_prices_with
     CostModel.from_dict(info["cost_model_constants"]).save(saved)
     out, report = runs / "live-by-tests.yaml", tmp_path / "report.json"
     cmd = [sys.executable, "-m", "disagg.cli", "calibrate", "--live", "--url", stack.base_url, "--out", str(out),
-           "--quick", "--apply", "--report", str(report), "--url-requests", "4", "--budget-s", "240"]
+           "--quick", "--apply", "--report", str(report), "--url-requests", "4", "--budget-s", "240", "--host"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -84,7 +85,14 @@ def test_the_running_fleet_is_calibrated_per_instance_and_the_router_prices_with
         assert cm.calibrated and cm.model == info["source"] and cm.transfer.model_dump() == \
             info["cost_model_constants"]["transfer"]  # probes move no KV: the transfer is kept
         assert "applied" in proc.stdout and "held-out" in proc.stdout
+        # the shared host: every engine of the CPU profile runs on one core, beside the serving path
+        host = cm.shared_host
+        assert host is not None and host.cores == os.cpu_count() and 0 < host.engine_cores <= host.cores
+        assert host.measured_at == next(iter(cm.instances.values())).measured_at
+        assert 0 < host.token_cpu_s < 0.02 and 0 <= host.request_cpu_s < 0.5
         r = json.loads(report.read_text())
+        stretch = r["shared_host"]["stretch_by_busy_engines"]
+        assert set(stretch) == {str(k) for k in range(1, len(before["instances"]) + 1)}
         assert set(r["instances"]) == set(cm.instances)
         assert all(f["held_out"]["n"] >= 2 for f in r["instances"].values())
 

@@ -1,0 +1,177 @@
+"""Calibrate the shared host: how the engines of one machine slow each other down, and what CPU the
+serving path takes beside them (`CostModel.shared_host`, the processor-sharing model).
+
+`disagg calibrate --live --url URL --host --out FILE`, run on the machine the app runs on:
+1. **Contention.** Decode probes (`/admin/probe`, timed in the engine replicas) on 1, 2, … k of
+   the model's instances at once, every instance measured alone too. An instance's step time with
+   k busy over its time alone is the stretch at k; `engine_cores` is the least-squares fit of
+   `stretch = max(1, k / engine_cores)` (`fit_engine_cores`).
+2. **Serving CPU.** The host's CPU time (/proc/stat, less this process's own) over three windows:
+   idle, streams of long answers, and many short requests, all through the app. Each loaded
+   window's CPU above the idle rate, less what the engines' steps of that load take by the fitted
+   constants, is split into CPU per streamed token and per request (`fit_serving_cpu`).
+3. `cores`: the host's online processors.
+
+The host must be the app's alone while this runs: any other work on it counts as the serving path's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import numpy as np
+
+from disagg.core.cost_model import EngineConstants, SharedHost
+
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+STREAM_TOKENS = 128  # the streaming window: long answers, so tokens dominate its CPU
+STREAMS = 16
+STREAM_REQUESTS = 48
+SHORT_TOKENS = 4  # the short window: requests dominate
+SHORT_CONCURRENCY = 8
+SHORT_REQUESTS = 120
+PROMPT_TOKENS = 32
+CONTENTION_BATCH = 4
+CONTENTION_TOKENS = 48
+
+
+class HostCalibrationError(RuntimeError):
+    """A request of the host's load windows failed."""
+
+
+def host_cpu_s() -> float:
+    """CPU seconds every process of this host has used since boot (user, nice, system, irq, softirq, steal)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) * TICK_S
+
+
+def fit_engine_cores(stretch_at: dict[int, float], most: float) -> float:
+    """The `engine_cores` in (0, `most`] whose `max(1, k / engine_cores)` is nearest (least squares)
+    to the measured stretch at each count k of busy engines."""
+    grid = np.arange(0.05, most + 1e-9, 0.01)
+    ks = np.array(sorted(stretch_at), dtype=float)
+    s = np.array([stretch_at[int(k)] for k in ks])
+    errors = [float(np.sum((s - np.maximum(1.0, ks / e)) ** 2)) for e in grid]
+    return round(float(grid[int(np.argmin(errors))]), 2)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadWindow:
+    """One loaded window: CPU above idle (s), what it served, and what the engines' steps of it take."""
+
+    cpu_s: float
+    tokens: int
+    requests: int
+    engine_s: float
+
+
+def fit_serving_cpu(windows: list[LoadWindow]) -> tuple[float, float]:
+    """(token_cpu_s, request_cpu_s) from loaded windows: non-negative least squares of
+    cpu − engine time = tokens · token_cpu_s + requests · request_cpu_s."""
+    from calibration.fit import nnls
+
+    a = np.array([[w.tokens, w.requests] for w in windows], dtype=float)
+    b = np.array([w.cpu_s - w.engine_s for w in windows], dtype=float)
+    token_s, request_s = nnls(a, b)  # a window below its engine time (noise, steps that wait) pulls toward 0
+    return float(token_s), float(request_s)
+
+
+def engine_seconds(c: EngineConstants, requests: int, prompt: int, tokens: int, batch_per_engine: float) -> float:
+    """What the engines' steps of a window take by the constants: each request's lone prefill,
+    and its decode tokens at the window's batch per decode engine (a step's time shared by the batch)."""
+    b = max(1.0, batch_per_engine)
+    per_token = (c.step_base_s + c.decode_seq_s * b) / b
+    return requests * (c.prefill_s(prompt) + max(0, tokens - 1) * per_token)
+
+
+async def _load(url: str, model: str, requests: int, concurrency: int, tokens: int, seed: int) -> int:
+    """Send `requests` streaming completions `concurrency` at a time; the tokens they streamed."""
+    from disagg.app_client import AsyncAppClient
+    from disagg.bench.loadgen import PlannedRequest, prompt_seed, send_one
+
+    sem = asyncio.Semaphore(concurrency)
+    streamed = 0
+
+    async def one(app: AsyncAppClient, i: int) -> None:
+        nonlocal streamed
+        req = PlannedRequest(index=i, at_s=0.0, prompt_tokens=PROMPT_TOKENS, max_tokens=tokens,
+                             prompt_seed=prompt_seed(seed, "calibrate/host", i))
+        async with sem:
+            r = await send_one(app.http, model, req, timeout_s=120.0)
+        if r.error:
+            raise HostCalibrationError(f"{url}/v1/completions: {r.error}")
+        streamed += r.tokens
+
+    async with AsyncAppClient(url, timeout_s=120.0, max_connections=concurrency) as app:
+        await asyncio.gather(*(one(app, i) for i in range(requests)))
+    return streamed
+
+
+async def _cpu_of(run: Callable[[], Awaitable[int]]) -> tuple[float, float, int]:
+    """(host CPU s less this process's, wall s, what `run` returned)."""
+    h0, own0, t0 = host_cpu_s(), time.process_time(), time.monotonic()
+    result = await run()
+    return (host_cpu_s() - h0) - (time.process_time() - own0), time.monotonic() - t0, result
+
+
+async def measure_host(url: str, model: str, instances: dict[str, str], engine: EngineConstants,
+                       post: Callable[[dict], Awaitable[dict]], idle_s: float = 8.0, seed: int = 0,
+                       log: Callable[[str], None] = lambda m: None) -> tuple[SharedHost, dict]:
+    """The shared host's constants, measured through the app at `url` (see the module docstring);
+    `post(body)` is a `/admin/probe` call, `engine` the fitted pool constants. Returns the host and
+    a report of every measurement."""
+    ids = list(instances)
+    n = 0
+
+    async def step_s(iid: str) -> float:
+        nonlocal n
+        n += 1
+        body = {"instance": iid, "kind": "decode", "size": CONTENTION_BATCH, "tokens": CONTENTION_TOKENS,
+                "seed": seed * 1_000_003 + 500_000 + n}
+        return float((await post(body))["seconds"])
+
+    alone = {iid: [] for iid in ids}
+    together: dict[int, list[float]] = {k: [] for k in range(2, len(ids) + 1)}
+    for _ in range(2):  # two rounds: a slow spell lands on one of them
+        for iid in ids:
+            alone[iid].append(await step_s(iid))
+        for k in together:
+            group = ids[:k]
+            steps = await asyncio.gather(*(step_s(iid) for iid in group))
+            together[k] += [s / statistics.median(alone[iid]) for iid, s in zip(group, steps)]
+    stretch_at = {1: 1.0, **{k: statistics.median(v) for k, v in together.items()}}
+    cores = float(os.cpu_count() or 1)
+    engine_cores = fit_engine_cores(stretch_at, cores) if len(ids) > 1 else cores
+    log(f"contention: stretch by busy engines {stretch_at} → engine_cores {engine_cores:g}")
+
+    decode = sum(role == "decode" for role in instances.values()) or len(ids)
+    t0 = time.monotonic()
+    h0, own0 = host_cpu_s(), time.process_time()
+    await asyncio.sleep(idle_s)
+    idle_rate = ((host_cpu_s() - h0) - (time.process_time() - own0)) / (time.monotonic() - t0)
+    windows, report_windows = [], []
+    for name, requests, concurrency, tokens in (("streams", STREAM_REQUESTS, STREAMS, STREAM_TOKENS),
+                                                ("short", SHORT_REQUESTS, SHORT_CONCURRENCY, SHORT_TOKENS)):
+        cpu, wall, streamed = await _cpu_of(lambda: _load(url, model, requests, concurrency, tokens, seed))
+        above = cpu - idle_rate * wall
+        w = LoadWindow(above, streamed, requests,
+                       engine_seconds(engine, requests, PROMPT_TOKENS, tokens, concurrency / decode))
+        windows.append(w)
+        report_windows.append({"window": name, "requests": requests, "concurrency": concurrency,
+                               "tokens": streamed, "wall_s": round(wall, 3), "cpu_above_idle_s": round(above, 3),
+                               "engine_steps_s": round(w.engine_s, 3)})
+        log(f"{name}: {requests} requests, {streamed} tokens in {wall:.1f} s; {above:.2f} s of CPU above idle, "
+            f"{w.engine_s:.2f} s of it engine steps")
+    token_cpu_s, request_cpu_s = fit_serving_cpu(windows)
+    host = SharedHost(engine_cores=engine_cores, cores=cores, token_cpu_s=round(token_cpu_s, 7),
+                      request_cpu_s=round(request_cpu_s, 6))
+    report = {"stretch_by_busy_engines": stretch_at, "idle_cores": round(idle_rate, 4), "windows": report_windows,
+              "shared_host": host.model_dump(mode="json")}
+    return host, report

@@ -1,0 +1,45 @@
+"""The shared host's fits (`calibration.host`) on synthetic measurements: they recover the constants
+that made them."""
+
+import pytest
+
+from calibration.host import LoadWindow, engine_seconds, fit_engine_cores, fit_serving_cpu, host_cpu_s
+from disagg.core.cost_model import EngineConstants, SharedHost
+
+
+@pytest.mark.parametrize("engine_cores", [1.0, 1.5, 2.0])
+def test_engine_cores_are_recovered_from_the_stretch_at_each_busy_count(engine_cores):
+    host = SharedHost(engine_cores=engine_cores, cores=2)
+    stretch = {k: host.stretch(k) for k in (1, 2, 3, 4)}
+    assert fit_engine_cores(stretch, most=2.0) == pytest.approx(engine_cores, abs=0.011)
+
+
+def test_engines_that_barely_slow_each_other_fit_about_a_core_each():
+    assert fit_engine_cores({1: 1.0, 2: 1.0, 3: 1.02}, most=4.0) == pytest.approx(2.94, abs=0.011)  # 3 / 1.02
+
+
+def test_serving_cpu_per_token_and_per_request_are_recovered():
+    c = EngineConstants(step_base_s=0.004, prefill_token_s=3e-5, decode_seq_s=2e-4, kv_capacity_tokens=65536)
+    token_s, request_s = 0.0012, 0.03
+    windows = []
+    for requests, tokens, batch in ((48, 128, 8), (120, 4, 4)):
+        engine = engine_seconds(c, requests, 32, tokens, batch)
+        windows.append(LoadWindow(requests * tokens * token_s + requests * request_s + engine, requests * tokens,
+                                  requests, engine))
+    assert fit_serving_cpu(windows) == pytest.approx((token_s, request_s), rel=1e-6)
+
+
+def test_a_window_below_its_engine_time_fits_no_negative_cpu():
+    token_s, request_s = fit_serving_cpu([LoadWindow(1.0, 1000, 10, 2.0), LoadWindow(0.5, 40, 100, 0.1)])
+    assert token_s >= 0 and request_s >= 0
+
+
+def test_engine_seconds_are_the_prefills_and_each_tokens_share_of_its_step():
+    c = EngineConstants(step_base_s=0.004, prefill_token_s=3e-5, decode_seq_s=2e-4, kv_capacity_tokens=65536)
+    assert engine_seconds(c, 2, 100, 11, 4) == pytest.approx(2 * (c.prefill_s(100) + 10 * (0.004 + 4 * 2e-4) / 4))
+
+
+def test_the_host_cpu_clock_moves_with_work():
+    t0 = host_cpu_s()
+    sum(i * i for i in range(3_000_000))
+    assert host_cpu_s() > t0

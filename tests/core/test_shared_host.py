@@ -1,0 +1,141 @@
+"""Engines that share a host: the processor-sharing stretch, in the cost model, the engine model and
+the simulator. Each test here fails if the engines' contention term or the serving path's term is
+dropped from the model."""
+
+import pytest
+
+from disagg.core.cost_model import CostModel, CostModelError, SharedHost, load_profile
+from disagg.core.engine_model import EngineModel, HostShare, Job
+from disagg.sim.runner import prepare_trace, simulate
+from disagg.sim.simulator import Topology
+from disagg.sim.workloads import generate
+from tests.core.test_engine_model import consts, run_until_idle
+
+ONE_CORE = SharedHost(engine_cores=1, cores=2)
+
+
+def test_stretch_is_one_alone_and_grows_with_busy_engines_past_their_cores():
+    assert ONE_CORE.stretch(0) == 1.0
+    assert ONE_CORE.stretch(1) == 1.0
+    assert ONE_CORE.stretch(3) == 3.0  # three engines time-share one core
+    wide = SharedHost(engine_cores=2, cores=2)
+    assert wide.stretch(2) == 1.0 and wide.stretch(4) == 2.0
+
+
+def test_serving_path_takes_the_cores_the_engines_leave():
+    host = SharedHost(engine_cores=1, cores=2, token_cpu_s=0.001, request_cpu_s=0.01)
+    # one engine streaming 10 tokens every 5 ms asks 2 cores of the serving path: (1 + 2) / 2
+    serving = host.serving_cores(tokens=10, requests=0, seconds=0.005)
+    assert serving == pytest.approx(2.0)
+    assert host.stretch(1, serving) == pytest.approx(1.5)
+    assert host.serving_cores(tokens=0, requests=1, seconds=0.01) == pytest.approx(1.0)
+    assert host.stretch(1, 0.5) == 1.0  # room to spare: alone speed
+
+
+def test_a_host_whose_engines_have_more_cores_than_it_is_refused_by_field():
+    with pytest.raises(CostModelError, match="engine_cores"):
+        CostModel.from_dict({**load_profile("cpu-tiny").to_dict(), "shared_host": {"engine_cores": 4, "cores": 2}})
+
+
+def test_host_share_counts_busy_engines_and_their_load():
+    share = HostShare(SharedHost(engine_cores=1, cores=4, token_cpu_s=0.001))
+    assert share.step("a", tokens=4, requests=0, seconds=0.004) == 1.0  # 1 core of serving: (1 + 1) / 4
+    assert share.step("b", tokens=4, requests=0, seconds=0.004) == 2.0  # two engines on one core
+    assert share.busy == 2 and share.total == pytest.approx(2.0)
+    changes = share.busy_changes
+    share.step("a", tokens=8, requests=0, seconds=0.004)  # still busy: no change in who is busy
+    assert share.busy_changes == changes and share.total == pytest.approx(3.0)
+    share.idle("a")
+    share.idle("b")
+    assert share.busy == 0 and share.total == 0.0 and share.busy_changes == changes + 2
+
+
+def _decode_alone_and_together(host: SharedHost) -> tuple[float, float]:
+    """The time to decode 20 tokens on one engine alone, and on two engines of `host` at once."""
+    c = consts(max_batched_tokens=256)
+    alone = EngineModel("a", c, HostShare(host))
+    alone.submit(Job("x", prompt=16, target=20))
+    _, _, t_alone = run_until_idle(alone)
+    share = HostShare(host)
+    engines = [EngineModel(n, c, share) for n in "ab"]
+    for e in engines:
+        e.submit(Job("x", prompt=16, target=20))
+    # drive both in lockstep: identical work, so their steps end together
+    ends = [e.poke(0.0) for e in engines]
+    now = 0.0
+    while any(t is not None for t in ends):
+        now = min(t for t in ends if t is not None)
+        for i, e in enumerate(engines):
+            if ends[i] is not None and ends[i] <= now:
+                e.end_step(now)
+                ends[i] = e.poke(now)
+    return t_alone, now
+
+
+def test_two_engines_on_one_core_take_twice_as_long_as_one():
+    t_alone, t_together = _decode_alone_and_together(ONE_CORE)
+    assert t_together == pytest.approx(2 * t_alone, rel=0.05)
+
+
+def test_the_serving_path_slows_an_engine_that_is_alone():
+    host = SharedHost(engine_cores=1, cores=2, token_cpu_s=0.04)  # 1 token per 12 ms step asks 3.3 cores
+    t_alone, _ = _decode_alone_and_together(host)
+    t_free, _ = _decode_alone_and_together(SharedHost(engine_cores=1, cores=2))
+    assert t_alone > 1.8 * t_free  # decode steps at (1 + 3.3) / 2
+
+
+def test_without_a_shared_host_the_engine_model_is_unchanged():
+    c = consts()
+    e = EngineModel("a", c)
+    e.submit(Job("x", prompt=40, target=10))
+    finished, _, t = run_until_idle(e)
+    assert t == pytest.approx(c.prefill_s(40) + 9 * c.decode_token_s(1))
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return prepare_trace(generate("short_chat", 300, 4.0, 0), 4.0, 0.5, 0)
+
+
+def _sim(trace, host: SharedHost | None, topology: str = "1P2D") -> dict:
+    cm = load_profile("cpu-tiny").model_copy(update={"shared_host": host})
+    summary, _ = simulate(trace, cm, Topology.parse(topology), "round_robin")
+    return summary
+
+
+def test_simulated_engines_on_one_core_are_slower_than_engines_on_their_own_devices(trace):
+    own, shared = _sim(trace, None), _sim(trace, ONE_CORE)
+    assert shared["tpot_p50_s"] > 1.5 * own["tpot_p50_s"]
+    assert shared["ttft_p50_s"] > 1.5 * own["ttft_p50_s"]
+
+
+def test_simulated_serving_path_cpu_slows_the_fleet_further(trace):
+    base = _sim(trace, ONE_CORE)
+    busy_path = _sim(trace, SharedHost(engine_cores=1, cores=2, token_cpu_s=0.0015, request_cpu_s=0.02))
+    assert busy_path["tpot_p50_s"] > 1.1 * base["tpot_p50_s"]
+    assert busy_path["ttft_p50_s"] > base["ttft_p50_s"]
+
+
+def test_engines_with_cores_enough_run_as_if_each_owned_its_device(trace):
+    own = _sim(trace, None, "1P1D")
+    roomy = _sim(trace, SharedHost(engine_cores=2, cores=4), "1P1D")  # two engines, two cores of their own
+    for key in ("goodput", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
+        assert roomy[key] == pytest.approx(own[key], rel=1e-9), key  # macro steps cut at other ways: rounding
+
+
+def test_the_estimator_prices_a_query_at_the_stretch_its_busy_peers_give():
+    from disagg.core.ttft_estimator import InstanceSnapshot, RunningRequest, estimate_ttft, peer_share
+
+    c = consts(max_batched_tokens=256)
+    busy = InstanceSnapshot(running=(RunningRequest(prompt_tokens=32, decoded_tokens=2, remaining_tokens=50),))
+    alone = estimate_ttft(c, InstanceSnapshot(), 100).ttft_s
+    assert alone == pytest.approx(c.prefill_s(100))
+    idle_peers = peer_share(ONE_CORE, [(c, InstanceSnapshot()), (c, InstanceSnapshot())])
+    assert estimate_ttft(c, InstanceSnapshot(), 100, host=idle_peers).ttft_s == pytest.approx(alone)
+    two_busy = peer_share(ONE_CORE, [(c, busy), (c, busy)])
+    assert two_busy.busy == 2
+    assert estimate_ttft(c, InstanceSnapshot(), 100, host=two_busy).ttft_s == pytest.approx(3 * alone)
+    assert two_busy.busy == 2  # the estimate worked on a copy: one share serves every estimate of a decision
+    # the peers' streams take the host's other core and more: a stretch beyond the engines' own
+    streaming = SharedHost(engine_cores=1, cores=2, token_cpu_s=0.05)  # the peer streams a token per 12 ms
+    assert estimate_ttft(c, InstanceSnapshot(), 100, host=peer_share(streaming, [(c, busy)])).ttft_s > 2.5 * alone
