@@ -37,7 +37,8 @@ SHORT_CONCURRENCY = 8
 SHORT_REQUESTS = 120
 PROMPT_TOKENS = 32
 CONTENTION_BATCH = 4
-CONTENTION_TOKENS = 48
+CONTENTION_TOKENS = 64
+CONTENTION_ROUNDS = 4  # probes of one engine vary by ±30% on shared cores: the medians need a few
 
 
 class HostCalibrationError(RuntimeError):
@@ -139,13 +140,13 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
 
     alone = {iid: [] for iid in ids}
     together: dict[int, list[float]] = {k: [] for k in range(2, len(ids) + 1)}
-    for _ in range(2):  # two rounds: a slow spell lands on one of them
+    for _ in range(CONTENTION_ROUNDS):  # alone and together in every round: a slow spell lands on both
         for iid in ids:
             alone[iid].append(await step_s(iid))
         for k in together:
             group = ids[:k]
             steps = await asyncio.gather(*(step_s(iid) for iid in group))
-            together[k] += [s / statistics.median(alone[iid]) for iid, s in zip(group, steps)]
+            together[k] += [s / alone[iid][-1] for iid, s in zip(group, steps)]  # paired within the round
     stretch_at = {1: 1.0, **{k: statistics.median(v) for k, v in together.items()}}
     cores = float(os.cpu_count() or 1)
     engine_cores = fit_engine_cores(stretch_at, cores) if len(ids) > 1 else cores
