@@ -50,6 +50,9 @@ def check_sim_args(args) -> None:
         raise UsageError(f"--tight-share must be in [0, 1], got {args.tight_share}")
     if not 0.0 <= args.predictor_error <= 10.0:
         raise UsageError(f"--predictor-error must be in [0, 10], got {args.predictor_error}")
+    if args.slo_scale is not None and not (math.isfinite(args.slo_scale) and args.slo_scale > 0):
+        raise UsageError(f"--slo-scale must be a finite number > 0 (times each request's unloaded latency), "
+                         f"got {args.slo_scale}")
 
 
 def capacity_settings(args) -> tuple[float, int] | None:
@@ -102,7 +105,8 @@ def cmd_sim(args) -> int:
         print(f"saturation rate (round robin mid-collapse): {rate:.2f} req/s", file=sys.stderr)
     bar = Progress(len(trace) * len(policies), "simulating")
     results = compare(trace, cost_model, topology, policies, rate=rate, tight_share=args.tight_share,
-                      seed=args.seed, predictor_error=args.predictor_error, progress=bar, routers=args.routers)
+                      seed=args.seed, predictor_error=args.predictor_error, progress=bar, routers=args.routers,
+                      slo_scale=args.slo_scale)
     effective_rate = rate if rate is not None else trace_stats(trace)["mean_rate"]
     columns, capacity = SIM_COLUMNS, None
     if cap_settings:
@@ -110,7 +114,7 @@ def cmd_sim(args) -> int:
         for name in policies:
             cap = find_capacity(trace, cost_model, topology, name, attainment=attainment,
                                 steps=steps, tight_share=args.tight_share, seed=args.seed,
-                                predictor_error=args.predictor_error, routers=args.routers)
+                                predictor_error=args.predictor_error, routers=args.routers, slo_scale=args.slo_scale)
             cap["bound"] = name == CAPACITY_BOUND
             results[name]["capacity_rps"] = cap["capacity_rps"]
             results[name]["capacity"] = cap
@@ -123,7 +127,9 @@ def cmd_sim(args) -> int:
              **({"capacity_cell": capacity_label(s["capacity"])} if capacity else {})}
             for n, s in results.items()]
     print(f"trace={args.trace} requests={len(trace)} topology={topology} rate={effective_rate:.2f} req/s "
-          f"cost_model={cost_model.name} seed={args.seed} routers={args.routers}")
+          f"cost_model={cost_model.name} seed={args.seed} routers={args.routers}"
+          + (f" SLO scale {args.slo_scale:g} (targets: that many times each request's own unloaded TTFT and TPOT)"
+             if args.slo_scale else ""))
     if capacity:
         print(f"capacity = highest rate with >= {attainment:.0%} of requests meeting both TTFT and TPOT "
               f"targets (from {capacity['start_rps']:.2f} req/s, {steps} bisection steps); "
@@ -135,6 +141,7 @@ def cmd_sim(args) -> int:
         write_json_atomic(Path(args.json), json_safe({
             "trace": str(args.trace), "topology": str(topology), "cost_model": cost_model.name,
             "seed": args.seed, "rate": effective_rate, "saturation": saturation, "routers": args.routers,
+            "slo_scale": args.slo_scale,
             "capacity": capacity, "policies": results,
             "sim_requests_per_s": total_req / total_wall if total_wall else None,
         }))
@@ -172,6 +179,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                      help="with --capacity: the share of requests that must meet their SLO (default 0.9)")
     sim.add_argument("--capacity-steps", type=int,
                      help="with --capacity: bisection steps after the doubling bracket (default 8)")
+    sim.add_argument("--slo-scale", type=float, metavar="X",
+                     help="judge each request by X times its own unloaded TTFT and TPOT (DistServe's SLO scale) "
+                          "instead of its class's targets; slo_goodput aims at those targets too")
     sim.add_argument("--json", help="write the results here (atomically)")
     sim.set_defaults(func=cmd_sim)
 

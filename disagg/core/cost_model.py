@@ -213,6 +213,14 @@ class CostModel(_Strict):
     def target(self, slo_class: SloClass) -> SloTarget:
         return self.slo[slo_class]
 
+    def unloaded(self, prompt_tokens: int) -> SloTarget:
+        """The request's own latency on an idle disaggregated fleet, by the pool's constants: TTFT =
+        its prefill, the KV transfer, the first decode step and the serving path; TPOT = a decode
+        step at batch 1. An SLO scale of x makes x times these the request's targets (DistServe)."""
+        e = self.engine
+        return SloTarget(ttft_s=e.prefill_s(prompt_tokens) + self.transfer.transfer_s(prompt_tokens)
+                         + e.decode_token_s(1) + self.serving_overhead_s, tpot_s=e.decode_token_s(1))
+
     @cached_property
     def max_kv_capacity_tokens(self) -> int:
         return max([self.engine.kv_capacity_tokens, *(c.kv_capacity_tokens for c in self.instances.values())])

@@ -93,6 +93,8 @@ class RequestFeatures:
     `prefix_hashes` are the prompt's block hashes, one per `prefix_block_tokens`-token block, each
     naming the whole prefix up to its block's end, or empty when unknown. Traces use the Mooncake
     convention (`PREFIX_BLOCK_TOKENS`); the live router hashes in a multiple of the engines' KV block.
+    `ttft_target_s`/`tpot_target_s`: the request's own targets where SLOs scale with the request
+    (the simulator's `slo_scale`); None means its class's targets.
     """
 
     request_id: str
@@ -102,6 +104,9 @@ class RequestFeatures:
     true_output_tokens: int | None = None
     prefix_hashes: tuple[int, ...] = ()
     prefix_block_tokens: int = PREFIX_BLOCK_TOKENS
+    # the request's own latency targets (s), where SLOs scale with the request; None: its class's
+    ttft_target_s: float | None = None
+    tpot_target_s: float | None = None
 
 
 # How many leading blocks of the given prefix hashes an instance holds in its prefix cache.

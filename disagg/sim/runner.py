@@ -84,13 +84,15 @@ def simulate(
     scaler: Scaler | None = None,
     startup_s: float = 60.0,
     push_s: float | None = None,
+    slo_scale: float | None = None,
 ) -> tuple[dict, SimResult]:
     """One policy through the simulator (`policy_name` may carry parameters: `parse_policy_spec`;
     `policy_params` add to them). `router_cost_model` lets the router believe other
     constants than the engines really have (the miscalibration study). `routers` router replicas
     share the arrivals in turn; `others_totals=False` hides the engines' received-call ledgers
     from them, `peer_notify_s` adds the routers' notices to each other, `push_s` replaces the polls
-    with the engines' pushes, seen that long after each change (see `Simulator`). With a
+    with the engines' pushes, seen that long after each change; `slo_scale` judges each request
+    by that many times its own unloaded latency instead of its class's targets (see `Simulator`). With a
     `scaler` the pools' widths change (disagg.sim.autoscaling), `topology` being each pool's most."""
     name, spec_params = parse_policy_spec(policy_name)  # a name, or NAME:key=value...
     policy = build_policy(name, router_cost_model or cost_model, {**spec_params, **(policy_params or {})})
@@ -99,7 +101,7 @@ def simulate(
         predictor = NoisyPredictor(predictor, predictor_error, seed=seed)
     sim = Simulator(cost_model, topology, policy, predictor, poll_interval_s=poll_interval_s, routers=routers,
                     others_totals=others_totals, peer_notify_s=peer_notify_s, scaler=scaler, startup_s=startup_s,
-                    push_s=push_s)
+                    push_s=push_s, slo_scale=slo_scale)
     trace, capped = clamp_to_context(trace, cost_model.engine.kv_capacity_tokens)
     result = sim.run(trace, progress=progress)
     summary = summarize(result.records, result.instance_tokens)
@@ -238,6 +240,7 @@ def find_capacity(
     predictor_error: float = 0.0,
     routers: int = 1,
     max_doublings: int = CAPACITY_MAX_DOUBLINGS,
+    slo_scale: float | None = None,
 ) -> dict:
     """One policy's SLO capacity on `trace` (module doc), starting from the trace's own mean rate."""
     stats = trace_stats(trace) if trace else {"mean_rate": 0.0}
@@ -247,7 +250,7 @@ def find_capacity(
     def attained(rate: float) -> float:
         t = prepare_trace(trace, rate, tight_share, seed)
         summary, _ = simulate(t, cost_model, topology, policy_name, predictor_error=predictor_error, seed=seed,
-                              routers=routers)
+                              routers=routers, slo_scale=slo_scale)
         return summary["goodput"]
 
     search = capacity_steps(stats["mean_rate"], attainment, steps, max_doublings)
@@ -272,11 +275,13 @@ def compare(
     router_cost_model: CostModel | None = None,
     progress: Callable[[int], None] | None = None,
     routers: int = 1,
+    slo_scale: float | None = None,
 ) -> dict[str, dict]:
     t = prepare_trace(trace, rate, tight_share, seed)
     out = {}
     for name in policies:
         summary, _ = simulate(t, cost_model, topology, name, predictor_error=predictor_error, seed=seed,
-                              router_cost_model=router_cost_model, progress=progress, routers=routers)
+                              router_cost_model=router_cost_model, progress=progress, routers=routers,
+                              slo_scale=slo_scale)
         out[name] = summary
     return out

@@ -84,7 +84,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
-from disagg.core.cost_model import CostModel
+from disagg.core.cost_model import CostModel, SloTarget
 from disagg.core.engine_model import EngineModel, HostShare, Job
 from disagg.core.ledger import AdmittedWork, Ledger, PolledState, admission_work, others
 from disagg.core.policies import Policy
@@ -178,6 +178,7 @@ class Simulator:
         scaler: Scaler | None = None,
         startup_s: float = 60.0,
         push_s: float | None = None,
+        slo_scale: float | None = None,
     ) -> None:
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
@@ -189,6 +190,9 @@ class Simulator:
             raise ValueError(f"peer_notify_s must be None (off) or a finite delay >= 0, got {peer_notify_s!r}")
         if isinstance(routers, bool) or not isinstance(routers, int) or routers < 1:
             raise ValueError(f"routers must be an integer >= 1, got {routers!r}")
+        if slo_scale is not None and not (slo_scale > 0 and math.isfinite(slo_scale)):
+            raise ValueError(f"slo_scale must be None (class targets) or a finite number > 0, got {slo_scale!r}")
+        self.slo_scale = slo_scale  # targets: this many times each request's own unloaded TTFT and TPOT
         self.cm = cost_model
         self.topology = topology
         self.policy = policy
@@ -541,7 +545,12 @@ class Simulator:
                     signals.arrived(r.prompt_tokens, slo)
                 predicted = predictors[k].predict(r.prompt_tokens, slo)
                 rid = f"r{i}"
-                feats = RequestFeatures(rid, r.prompt_tokens, predicted, slo, r.output_tokens, r.prefix_hashes)
+                if self.slo_scale is None:
+                    feats = RequestFeatures(rid, r.prompt_tokens, predicted, slo, r.output_tokens, r.prefix_hashes)
+                else:
+                    own = self._target(r.prompt_tokens, slo)
+                    feats = RequestFeatures(rid, r.prompt_tokens, predicted, slo, r.output_tokens, r.prefix_hashes,
+                                            ttft_target_s=own.ttft_s, tpot_target_s=own.tpot_s)
                 pv, dv = self._views(self.prefill_ids, now, k), self._views(self.decode_ids, now, k)
                 if r.prefix_hashes:  # only then: a request without hashes is decided exactly as before
                     pv, dv = self._with_prefix_lookup(pv), self._with_prefix_lookup(dv)
@@ -704,8 +713,15 @@ class Simulator:
                 waiting.append(f)
         self._awaiting_prefill[iid] = waiting
 
+    def _target(self, prompt_tokens: int, slo: SloClass) -> SloTarget:
+        """A request's targets: its class's, or `slo_scale` times its own unloaded latency."""
+        if self.slo_scale is None:
+            return self.cm.target(slo)
+        own = self.cm.unloaded(prompt_tokens)
+        return SloTarget(ttft_s=self.slo_scale * own.ttft_s, tpot_s=self.slo_scale * own.tpot_s)
+
     def _record(self, f: _Flight, job: Job, now: float) -> RequestRecord:
-        target = self.cm.target(f.slo)
+        target = self._target(f.req.prompt_tokens, f.slo)
         # the serving path outside the engines, as a fixed delay of the response stream
         late = self.cm.serving_overhead_s
         return RequestRecord.served(

@@ -43,6 +43,7 @@ __all__ = [
     "ConversationShape",
     "conversations",
     "generate",
+    "long_context_chat",
     "long_prompt_short_answer",
     "mixed_bursty",
     "multi_turn_chat",
@@ -159,7 +160,6 @@ def mixed_bursty(n: int, rate_per_s: float, seed: int) -> list[TraceRequest]:
 
 
 # multi_turn_chat: a system prompt per application, the user's text and the answer of each turn
-_SYSTEM_PROMPT = _Lengths(1000, 0.3, 256, 4096)
 _USER_TEXT = _Lengths(150, 0.9, 4, 2048)
 _ANSWER = _Lengths(250, 0.7, 4, 1024)
 
@@ -173,6 +173,8 @@ class ConversationShape:
     max_turns: int = 16
     think_gaps: float = 100.0  # mean think time between turns, in mean inter-arrival gaps
     max_context_tokens: int = 16384
+    # the system prompts' lengths: a clamped lognormal (mean, sigma, shortest, longest)
+    system_tokens: tuple[float, float, int, int] = (1000.0, 0.3, 256, 4096)
 
     def __post_init__(self) -> None:
         if (self.system_prompts < 0 or self.mean_turns < 1 or self.max_turns < 1 or not self.think_gaps > 0
@@ -204,8 +206,9 @@ def conversations(seed: int, shape: ConversationShape = ConversationShape()) -> 
     clock = random.Random(f"{seed}/think")  # times apart, so the token lengths do not depend on them
     block_ids = itertools.count()
     systems = []
+    system_lengths = _Lengths(*shape.system_tokens)
     for _ in range(shape.system_prompts):
-        tokens = _SYSTEM_PROMPT.draw(rng)
+        tokens = system_lengths.draw(rng)
         systems.append((tokens, [next(block_ids) for _ in range(tokens // PREFIX_BLOCK_TOKENS)]))
     popularity = [1.0 / (k + 1) for k in range(shape.system_prompts)]
     while True:
@@ -270,19 +273,34 @@ def multi_turn_chat(n: int, rate_per_s: float, seed: int,
     return [dataclasses.replace(r, arrival_s=(t - t0) * scale) for t, _, r in window]
 
 
+# long_context_chat: questions over long documents, 10-20k tokens each, a few follow-ups per document
+LONG_CONTEXT = ConversationShape(system_prompts=16, system_tokens=(14000.0, 0.2, 10000, 20000), mean_turns=3.0,
+                                 max_turns=8, max_context_tokens=32768)
+
+
+def long_context_chat(n: int, rate_per_s: float, seed: int,
+                      shape: ConversationShape = LONG_CONTEXT) -> list[TraceRequest]:
+    """Questions over long documents: :func:`multi_turn_chat` whose conversations open with one of
+    16 documents of 10-20k tokens (lognormal around 14k), shared across conversations, and go on
+    for 3 turns on average within 32k tokens of context. The prefix caches hold most of each
+    prompt; no fixed TTFT target fits a prefill this long (SLO scale is the measure for it)."""
+    return multi_turn_chat(n, rate_per_s, seed, shape)
+
+
 WORKLOADS: dict[str, Callable[[int, float, int], list[TraceRequest]]] = {
     "short_chat": short_chat,
     "long_prompt_short_answer": long_prompt_short_answer,
     "short_prompt_long_generation": short_prompt_long_generation,
     "mixed_bursty": mixed_bursty,
     "multi_turn_chat": multi_turn_chat,
+    "long_context_chat": long_context_chat,
 }
 
 
 def generate(name: str, n: int, rate: float, seed: int, max_context_tokens: int | None = None) -> list[TraceRequest]:
     """Run the workload registered as ``name``; unknown names raise ValueError listing the known.
-    ``max_context_tokens``: the longest conversation (prompt + answer) of ``multi_turn_chat``, e.g.
-    the serving model's context; the other workloads take none."""
+    ``max_context_tokens``: the longest conversation (prompt + answer) of the multi-turn workloads,
+    e.g. the serving model's context; the other workloads take none."""
     try:
         gen = WORKLOADS[name]
     except KeyError:
@@ -290,6 +308,8 @@ def generate(name: str, n: int, rate: float, seed: int, max_context_tokens: int 
             from None
     if max_context_tokens is None:
         return gen(n, rate, seed)
-    if gen is not multi_turn_chat:
-        raise ValueError(f"max_context_tokens applies to multi_turn_chat only, not {name!r}")
-    return multi_turn_chat(n, rate, seed, ConversationShape(max_context_tokens=max_context_tokens))
+    if gen is multi_turn_chat:
+        return multi_turn_chat(n, rate, seed, ConversationShape(max_context_tokens=max_context_tokens))
+    if gen is long_context_chat:
+        return long_context_chat(n, rate, seed, dataclasses.replace(LONG_CONTEXT, max_context_tokens=max_context_tokens))
+    raise ValueError(f"max_context_tokens applies to the multi-turn workloads only, not {name!r}")

@@ -8,6 +8,7 @@ from disagg.sim.traces import trace_stats
 from disagg.sim.workloads import (
     WORKLOADS,
     generate,
+    long_context_chat,
     long_prompt_short_answer,
     mixed_bursty,
     multi_turn_chat,
@@ -25,6 +26,7 @@ TABLE = [
     ("short_prompt_long_generation", 150, 600, (8, 1024), (64, 4096), (0.85, 1.15)),
     ("mixed_bursty", 950, 190, (8, 16384), (1, 4096), (1.8, 4.0)),
     ("multi_turn_chat", 2300, 250, (4, 16384), (4, 1024), (0.85, 1.15)),
+    ("long_context_chat", 14600, 250, (10000, 32768), (4, 1024), (0.85, 1.15)),
 ]
 
 
@@ -35,6 +37,7 @@ def test_registry_holds_the_generators():
         "short_prompt_long_generation": short_prompt_long_generation,
         "mixed_bursty": mixed_bursty,
         "multi_turn_chat": multi_turn_chat,
+        "long_context_chat": long_context_chat,
     }
     assert {row[0] for row in TABLE} == set(WORKLOADS)
 
@@ -89,6 +92,7 @@ def test_workload_rejects_bad_arguments(name, n, rate, words):
 
 
 def test_generate_unknown_name_lists_known():
-    known = "long_prompt_short_answer, mixed_bursty, multi_turn_chat, short_chat, short_prompt_long_generation"
+    known = ("long_context_chat, long_prompt_short_answer, mixed_bursty, multi_turn_chat, short_chat, "
+             "short_prompt_long_generation")
     with pytest.raises(ValueError, match=f"unknown workload 'chat'; known: {known}"):
         generate("chat", 10, 1.0, 0)

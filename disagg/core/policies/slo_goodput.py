@@ -221,6 +221,8 @@ class SloGoodput(Policy):
             feasible(prefill, req, "prefill")  # raises the precise reason
             raise NoCapacity("no prefill candidate fits and colocated prefill is disabled")
         out, target = max(1, req.predicted_output_tokens), cm.target(req.slo_class)
+        if req.ttft_target_s is not None:  # SLOs that scale with the request
+            target = SloTarget(ttft_s=req.ttft_target_s, tpot_s=req.tpot_target_s)
         ends = self._prefill_ends(prefill_ok, req, now)
         sites = self._decode_sites(decode_ok, req, now)
         # each kind's cheapest replaces the cheapest so far only if it costs less (or as much and comes
