@@ -129,15 +129,15 @@ def scored(log_path: Path) -> dict:
             "prefill_tokens_reused": reused}
 
 
-def run_mode(mode: str, args, tmp: Path) -> dict:
+def run_mode(mode: str, args, tmp: Path, repeat: int = 0) -> dict:
     doc = yaml.safe_load(args.config.read_text())
     app = doc["applications"][0]["args"]
     app["router"]["prefix_index"] = mode
     if args.policy:
         app["router"]["policy"] = args.policy
-    log_path = tmp / f"requests-{mode}.jsonl"
+    log_path = tmp / f"requests-{mode}-{repeat}.jsonl"  # one per run: the router appends to its log
     app["router"]["request_log"] = str(log_path)
-    config = tmp / f"local-{mode}.yaml"
+    config = tmp / f"local-{mode}-{repeat}.yaml"
     config.write_text(yaml.safe_dump(doc))
     with LocalStack(config, log=log) as stack:
         sources = {v["prefix_source"] for v in httpx.get(f"{stack.base_url}/admin/state", timeout=60).json()[
@@ -181,7 +181,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="prefix-index-") as tmp:
         for k in range(args.repeats):
             for m in modes if k % 2 == 0 else modes[::-1]:
-                results.append({"repeat": k, **run_mode(m, args, Path(tmp))})
+                results.append({"repeat": k, **run_mode(m, args, Path(tmp), k)})
     over = repeats_summary(results, modes)
     if args.repeats > 1:
         log(json.dumps(over))
