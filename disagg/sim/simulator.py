@@ -215,6 +215,8 @@ class Simulator:
         self.roles: dict[str, Role] = {}
         # engines on one shared host (the CPU profile) slow each other down; each owns its device otherwise
         self.share = HostShare(cost_model.shared_host) if cost_model.shared_host is not None else None
+        if self.share is not None:  # chosen once: the poke of engines that own their devices stays as it was
+            self._poke_alone, self._poke = self._poke, self._poke_shared
         for iid in topology.prefill_ids():
             self.engines[iid] = EngineModel(iid, cost_model.for_instance(iid), self.share)
             self.roles[iid] = Role.PREFILL
@@ -325,15 +327,11 @@ class Simulator:
 
     def _poke(self, iid: str, now: float) -> None:
         engine = self.engines[iid]
-        share = self.share
-        changes = share.busy_changes if share is not None else 0
         end = engine.poke(now)
         if end is not None:  # a new step end; a step event of an earlier epoch is now stale
             epoch = self._step_epoch[iid] = self._step_epoch[iid] + 1
             self._seq += 1
             heapq.heappush(self._heap, (end, _STEP, self._seq, ("step", iid, epoch)))
-        if share is not None and share.busy_changes != changes:
-            self._reshare(iid, now)
         if self.roles[iid] is Role.PREFILL:  # KV is transferred in only by decode instances
             return
         for job in engine.take_transfers():
@@ -343,6 +341,13 @@ class Simulator:
                 tokens = self._tokens_to_transfer(f)
             xfer = self.cm.transfer_s(f.prefill_id, f.decode_id, tokens)
             self._push(now + xfer, _TRANSFER, ("kv", f))
+
+    def _poke_shared(self, iid: str, now: float) -> None:
+        """`_poke` on a shared host: when the engine becomes busy or idle, the others re-plan."""
+        changes = self.share.busy_changes
+        self._poke_alone(iid, now)
+        if self.share.busy_changes != changes:
+            self._reshare(iid, now)
 
     def _reshare(self, changed: str, now: float) -> None:
         """An engine of the shared host became busy or idle: the other busy engines' steps change
@@ -459,6 +464,7 @@ class Simulator:
         # the loop's most used attributes, as locals (bound methods included: one lookup per run)
         engines, step_epoch, ledgers, predictors = self.engines, self._step_epoch, self.ledgers, self.predictors
         refresh, poke = self._refresh, self._poke
+        slo_scale = self.slo_scale
         fleet, signals, control = self.fleet, self.signals, self._control
         if self.scaler is not None and self.scaler.interval_s is not None:
             self._push_control(self.scaler.interval_s, _TICK, ("tick",))
@@ -545,7 +551,7 @@ class Simulator:
                     signals.arrived(r.prompt_tokens, slo)
                 predicted = predictors[k].predict(r.prompt_tokens, slo)
                 rid = f"r{i}"
-                if self.slo_scale is None:
+                if slo_scale is None:
                     feats = RequestFeatures(rid, r.prompt_tokens, predicted, slo, r.output_tokens, r.prefix_hashes)
                 else:
                     own = self._target(r.prompt_tokens, slo)
