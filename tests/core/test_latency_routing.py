@@ -178,3 +178,20 @@ def test_a_prompt_no_instance_can_hold_raises_no_capacity():
 def test_bad_input_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         route([(small(), IDLE)], **kw)
+
+
+def test_on_a_shared_host_the_estimate_runs_at_the_stretch_the_busy_peers_give():
+    import dataclasses
+
+    from disagg.core.cost_model import SharedHost
+    from disagg.core.ttft_estimator import estimate_ttft, peer_share
+
+    host = SharedHost(engine_cores=1, cores=2)  # every engine's compute on one core
+    inst = small()
+    alone = route([(inst, IDLE)], limit=10.0).chosen.ttft_s
+    assert alone == estimate_ttft(inst.constants, IDLE, 200).ttft_s
+    shared = dataclasses.replace(inst, host=peer_share(host, [(inst.constants, busy(2)), (inst.constants, busy(0))]))
+    assert route([(shared, IDLE)], limit=10.0).chosen.ttft_s == pytest.approx(3 * alone)  # three engines, one core
+    # a limit the instance meets alone it misses on the crowded host
+    assert route([(inst, IDLE)], limit=2 * alone).feasible
+    assert not route([(shared, IDLE)], limit=2 * alone).feasible
