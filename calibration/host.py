@@ -115,7 +115,7 @@ async def _load(url: str, model: str, requests: int, concurrency: int, tokens: i
     return streamed
 
 
-async def _cpu_of(run: Callable[[], Awaitable[int]]) -> tuple[float, float, int]:
+async def _cpu_of(run: Callable[[], Awaitable]) -> tuple[float, float, object]:
     """(host CPU s less this process's, wall s, what `run` returned)."""
     h0, own0, t0 = host_cpu_s(), time.process_time(), time.monotonic()
     result = await run()
@@ -153,10 +153,8 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
     log(f"contention: stretch by busy engines {stretch_at} → engine_cores {engine_cores:g}")
 
     decode = sum(role == "decode" for role in instances.values()) or len(ids)
-    t0 = time.monotonic()
-    h0, own0 = host_cpu_s(), time.process_time()
-    await asyncio.sleep(idle_s)
-    idle_rate = ((host_cpu_s() - h0) - (time.process_time() - own0)) / (time.monotonic() - t0)
+    idle_cpu, idle_wall, _ = await _cpu_of(lambda: asyncio.sleep(idle_s))
+    idle_rate = idle_cpu / idle_wall
     windows, report_windows = [], []
     for name, requests, concurrency, tokens in (("streams", STREAM_REQUESTS, STREAMS, STREAM_TOKENS),
                                                 ("short", SHORT_REQUESTS, SHORT_CONCURRENCY, SHORT_TOKENS)):

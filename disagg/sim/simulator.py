@@ -354,14 +354,10 @@ class Simulator:
         speed from the end of their step in flight (their macro steps are cut there, and re-planned
         at the new stretch)."""
         for iid in list(self.share.loads):
-            engine = self.engines[iid]
-            if iid == changed or not engine.busy:  # one between steps is planned by whoever ended its step
-                continue
-            end = engine.poke(now)
-            if end is not None:
-                epoch = self._step_epoch[iid] = self._step_epoch[iid] + 1
-                self._seq += 1
-                heapq.heappush(self._heap, (end, _STEP, self._seq, ("step", iid, epoch)))
+            # one between steps is planned by whoever ended its step; a busy one's poke only cuts its
+            # macro step (it plans nothing, so it starts no transfer)
+            if iid != changed and self.engines[iid].busy:
+                self._poke_alone(iid, now)
 
     def _poll_one(self, iid: str, k: int) -> PolledState:
         """What router k's poll of `iid` reads: the engine's KV use, and the other routers' totals
