@@ -36,7 +36,7 @@ $(BUILT): $(STAMP) setup.py disagg/core/engine_model.py
 install: $(STAMP) $(BUILT)
 
 run: install
-	$(PY) -m serve_app.launch --config deployments/local.yaml
+	$(PY) -m serve_app.launch --config deployments/local.yaml --fit-host
 
 # one Ray cluster per machine at a time: the two-node stack and the 64-engine rig get a pytest
 # session each

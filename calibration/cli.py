@@ -58,7 +58,7 @@ def cmd_calibrate_live(args) -> int:
                              overhead, measured_at)
         host_report = None
         if args.host:
-            host, host_report = asyncio.run(_measure_host(url, fleet, cm, args.seed))
+            host, host_report = asyncio.run(_measure_host(url, fleet, cm, args.seed, args.quick))
             cm = cm.model_copy(update={"shared_host": host.model_copy(update={"measured_at": measured_at})})
     except CalibrationError as e:
         raise UsageError(f"calibration failed, nothing written: {e}") from None
@@ -95,9 +95,9 @@ def cmd_calibrate_live(args) -> int:
     return 0
 
 
-async def _measure_host(url: str, fleet, cm, seed: int):
+async def _measure_host(url: str, fleet, cm, seed: int, quick: bool):
     """`--host`: the shared host's constants (`calibration.host`), with the constants just fitted."""
-    from calibration.host import measure_host
+    from calibration.host import HostPlan, measure_host
     from disagg.app_client import AppError, AsyncAppClient
     from calibration.live import LiveCalibrationError, PROBE_TIMEOUT_S
 
@@ -108,7 +108,8 @@ async def _measure_host(url: str, fleet, cm, seed: int):
             except AppError as e:
                 raise LiveCalibrationError(f"{e} (probe {body})") from None
 
-        return await measure_host(url, fleet.model, fleet.instances, cm.engine, post, seed=seed,
+        return await measure_host(url, fleet.model, fleet.instances, cm.engine, post,
+                                  HostPlan.quick() if quick else HostPlan(), seed=seed,
                                   log=lambda m: print(f"host: {m}", file=sys.stderr))
 
 

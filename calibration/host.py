@@ -41,6 +41,21 @@ CONTENTION_TOKENS = 64
 CONTENTION_ROUNDS = 4  # probes of one engine vary by ±30% on shared cores: the medians need a few
 
 
+@dataclass(frozen=True, slots=True)
+class HostPlan:
+    """How long each measurement runs: `full`, or `quick` (half of everything) for a fit at start-up."""
+
+    contention_rounds: int = CONTENTION_ROUNDS
+    contention_tokens: int = CONTENTION_TOKENS
+    idle_s: float = 8.0
+    stream_requests: int = STREAM_REQUESTS
+    short_requests: int = SHORT_REQUESTS
+
+    @classmethod
+    def quick(cls) -> "HostPlan":
+        return cls(CONTENTION_ROUNDS // 2, CONTENTION_TOKENS // 2, 4.0, STREAM_REQUESTS // 2, SHORT_REQUESTS // 2)
+
+
 class HostCalibrationError(RuntimeError):
     """A request of the host's load windows failed."""
 
@@ -123,7 +138,7 @@ async def _cpu_of(run: Callable[[], Awaitable]) -> tuple[float, float, object]:
 
 
 async def measure_host(url: str, model: str, instances: dict[str, str], engine: EngineConstants,
-                       post: Callable[[dict], Awaitable[dict]], idle_s: float = 8.0, seed: int = 0,
+                       post: Callable[[dict], Awaitable[dict]], plan: HostPlan = HostPlan(), seed: int = 0,
                        log: Callable[[str], None] = lambda m: None) -> tuple[SharedHost, dict]:
     """The shared host's constants, measured through the app at `url` (see the module docstring);
     `post(body)` is a `/admin/probe` call, `engine` the fitted pool constants. Returns the host and
@@ -134,13 +149,13 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
     async def step_s(iid: str) -> float:
         nonlocal n
         n += 1
-        body = {"instance": iid, "kind": "decode", "size": CONTENTION_BATCH, "tokens": CONTENTION_TOKENS,
+        body = {"instance": iid, "kind": "decode", "size": CONTENTION_BATCH, "tokens": plan.contention_tokens,
                 "seed": seed * 1_000_003 + 500_000 + n}
         return float((await post(body))["seconds"])
 
     alone = {iid: [] for iid in ids}
     together: dict[int, list[float]] = {k: [] for k in range(2, len(ids) + 1)}
-    for _ in range(CONTENTION_ROUNDS):  # alone and together in every round: a slow spell lands on both
+    for _ in range(plan.contention_rounds):  # alone and together in every round: a slow spell lands on both
         for iid in ids:
             alone[iid].append(await step_s(iid))
         for k in together:
@@ -153,11 +168,11 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
     log(f"contention: stretch by busy engines {stretch_at} → engine_cores {engine_cores:g}")
 
     decode = sum(role == "decode" for role in instances.values()) or len(ids)
-    idle_cpu, idle_wall, _ = await _cpu_of(lambda: asyncio.sleep(idle_s))
+    idle_cpu, idle_wall, _ = await _cpu_of(lambda: asyncio.sleep(plan.idle_s))
     idle_rate = idle_cpu / idle_wall
     windows, report_windows = [], []
-    for name, requests, concurrency, tokens in (("streams", STREAM_REQUESTS, STREAMS, STREAM_TOKENS),
-                                                ("short", SHORT_REQUESTS, SHORT_CONCURRENCY, SHORT_TOKENS)):
+    for name, requests, concurrency, tokens in (("streams", plan.stream_requests, STREAMS, STREAM_TOKENS),
+                                                ("short", plan.short_requests, SHORT_CONCURRENCY, SHORT_TOKENS)):
         cpu, wall, streamed = await _cpu_of(lambda: _load(url, model, requests, concurrency, tokens, seed))
         above = cpu - idle_rate * wall
         w = LoadWindow(above, streamed, requests,

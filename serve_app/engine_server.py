@@ -400,9 +400,11 @@ class EngineServer:
     async def probe(self, call: ProbeCall, replica: str | None = None) -> ProbeReply:
         """One calibration measurement on this engine (`serve_app.probes`), beside the traffic it
         serves: the caller bounds the sizes (`Admin.probe`) and paces the probes."""
-        rng = random.Random(call.seed)
-        vocab = min(len(self.engine.tokenizer), 50_000)
         tag = f"probe-{self.replica_id}-{call.seed}-{time.monotonic_ns()}"
+        # seeded by the tag, not the seed alone: a rerun of a calibration with the same seed would
+        # find its prompts in the prefix cache and time prefills of nothing
+        rng = random.Random(tag)
+        vocab = min(len(self.engine.tokenizer), 50_000)
         ids = itertools.count()
 
         def stream(prompt_tokens: int, tokens: int):

@@ -219,6 +219,34 @@ class LocalStack:
         self._serve_run(self.config)
         self.wait_ready()
 
+    def fit_host(self, timeout_s: float = 300.0) -> list[tuple[Path, str]]:
+        """Fit the constants of the machine the app runs on and have every router replica price with
+        them: `disagg calibrate --live --quick --host --apply` per served model of the first
+        application (about 30 s on the CPU profile). The SLO targets a bench judges with then describe
+        this host, not the one a shipped profile was measured on. Each file goes to the app's
+        `router.cost_model_dir`, the one folder `--apply` may load from. Returns (file, the
+        calibration's summary) per model; RuntimeError naming the command when a fit fails."""
+        fitted = []
+        app = self.apps[0][0]
+        for name, cfg in self.apps:
+            if name.split("/")[0] != app.split("/")[0]:
+                continue
+            if cfg.router.cost_model_dir is None:
+                raise RuntimeError(f"{self.config}: fitting the host needs router.cost_model_dir (where the "
+                                   "router may load the fitted file from)")
+            out = Path(_env()["DISAGG_RUN_DIR"]) / cfg.router.cost_model_dir / f"host-{cfg.model.served_name}.yaml"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "-m", "disagg.cli", "calibrate", "--live", "--url", self.base_url, "--quick",
+                   "--url-requests", "8", "--model", cfg.model.served_name, "--out", str(out), "--apply",
+                   *(["--host"] if cfg.engine.device == "cpu" else [])]  # GPUs own their devices
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_env())
+            if proc.returncode != 0:
+                why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise RuntimeError(f"fitting the host failed ({why}); the router keeps the config's constants. "
+                                   f"Retry: {' '.join(cmd[2:]).replace('disagg.cli', 'disagg', 1)}")
+            fitted.append((out, proc.stdout))
+        return fitted
+
     def _ray_env(self) -> dict[str, str]:
         """What every process of this stack's Ray inherits: its stack id, and its runtime folder, under
         which each engine keeps its IPC sockets (removed with the folder at stop, even an engine's that
@@ -432,6 +460,21 @@ def _resources_arg(resources: dict[str, float]) -> list[str]:
     return [f"--resources={json.dumps(resources)}"] if resources else []
 
 
+def _fit_host(stack: LocalStack) -> None:
+    print("fitting this machine's constants (disagg calibrate --live --host, about 30 s) ...", flush=True)
+    t0 = time.monotonic()
+    try:
+        fitted = stack.fit_host()
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"disagg: warning: {e}", file=sys.stderr, flush=True)
+        return
+    for path, summary in fitted:
+        keep = [line for line in summary.splitlines() if line.startswith(("SLO ", "held-out", "shared host"))]
+        print("\n".join(keep), flush=True)
+        print(f"the router prices with {path} (fitted in {time.monotonic() - t0:.0f} s); `disagg bench` judges "
+              "goodput against it", flush=True)
+
+
 def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
@@ -439,7 +482,11 @@ def _interrupt(*_) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="serve a config on a local Ray cluster until Ctrl-C")
     ap.add_argument("--config", default="deployments/local.yaml")
+    ap.add_argument("--fit-host", action="store_true",
+                    help="once serving, fit this machine's constants and have the router price with them "
+                         "(`disagg calibrate --live --quick --host --apply`, about 30 s)")
     args = ap.parse_args(argv)
+    fit = args.fit_host
     try:
         stack = LocalStack(args.config, reuse_ray=True)
     except ConfigError as e:
@@ -449,6 +496,8 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     with stack:
         url = stack.base_url
+        if fit:
+            _fit_host(stack)
         args = yaml.safe_load(stack.config.read_text())["applications"][0].get("args") or {}
         # a multi-model app: show the alias, which lets the router choose the model
         model = (args.get("router") or {}).get("alias", "auto") if "models" in args else stack.apps[0][1].model.served_name

@@ -17,7 +17,7 @@ def stack(tmp_path_factory):
     from serve_app.launch import LocalStack, engine_processes, runtime_dir, vllm_temp_files
 
     if os.environ.get("DISAGG_STACK_URL"):  # develop against a stack already up (`make run`)
-        yield SimpleNamespace(base_url=os.environ["DISAGG_STACK_URL"], run_dir=Path.cwd())
+        yield SimpleNamespace(base_url=os.environ["DISAGG_STACK_URL"], run_dir=Path.cwd(), host_fit=None)
         return
     run_dir = tmp_path_factory.mktemp("stack")
     os.environ["DISAGG_RUN_DIR"] = str(run_dir)  # where the router writes its request log
@@ -28,6 +28,9 @@ def stack(tmp_path_factory):
         s.engines_at_start = set(engine_processes(s.stack_id))  # ... and what they kill (unprovoked.killed_on_purpose)
         s.initial_state = _admin_state(s.base_url)  # before any test's request: what start-up did
         s.instances_at_start = set(s.initial_state["instances"])
+        # what `make run` does next: the routers price with constants fitted on this machine, and a
+        # bench judges against them (a shipped profile describes another host)
+        [(s.host_fit, _)] = s.fit_host()
         yield s
         _assert_nothing_failed_unprovoked(s)
     # a stop that had to force anything would kill engines mid-drain in a cluster's rolling restart

@@ -86,12 +86,13 @@ from typing import Any, Callable, Sequence
 
 from disagg.app_client import AppError, AsyncAppClient
 from disagg.bench import report
+from disagg.bench.constants_check import check_constants, mismatch
 from disagg.bench.loadgen import (
     ClientResult, ClientShards, PlannedRequest, event_loop_runner, prompt_seed, realtime_priority,
     run_open_loop, send_one,
 )
 from disagg.bench.records import LIVE, SIM, to_request_record
-from disagg.core.cost_model import CostModel, load_profile
+from disagg.core.cost_model import CostModel, CostModelError, load_profile
 from disagg.core.policies import PolicyError, known_policies, parse_policy_spec
 from disagg.core.types import SloClass
 from disagg.files import SHARED, json_safe, write_json_atomic, write_text_atomic
@@ -103,6 +104,7 @@ SETTINGS_FILE = "settings.json"
 RECORDS_FILE = "requests.jsonl"
 GATES_FILE = "gates.json"
 SETTINGS_VERSION = 1
+APP = "app"  # --cost-model app: judge with the constants the app's router prices with
 
 
 class BenchError(Exception):
@@ -129,7 +131,7 @@ class BenchConfig:
     tight_share: float = 0.5
     seed: int = 0
     sim: bool = False
-    cost_model: str = "cpu-tiny"
+    cost_model: str | None = None  # a profile or YAML; None: the router's own constants live (APP), else cpu-tiny
     topology: str | None = None
     max_model_len: int | None = None  # sim-only runs; a live run reads it from GET /v1/models
     request_timeout_s: float = 300.0
@@ -145,6 +147,9 @@ class BenchConfig:
     # other OpenAI-compatible systems on the same engines and trace: (name, base URL), e.g.
     # ("ray_serve_llm", "http://127.0.0.1:8000/raylm"); each runs after our policies on every trace
     baselines: tuple[tuple[str, str], ...] = ()
+    # report goodput even when the constants judged with do not describe the app's hardware
+    # (`constants_check`): for studies of miscalibration, never for a figure about routing
+    accept_foreign_constants: bool = False
 
     @property
     def live(self) -> bool:
@@ -391,7 +396,10 @@ def check_config(cfg: BenchConfig) -> tuple[CostModel, list[TraceInput]]:
     if cfg.url is not None and not cfg.url.startswith(("http://", "https://")):
         raise BenchError(f"--url must be an http:// URL, got {cfg.url!r}")
     check_baselines(cfg)
-    cm = load_profile(cfg.cost_model)  # CostModelError names the file and field
+    source = judge_source(cfg)
+    if source == APP and not cfg.live:
+        raise BenchError(f"--cost-model {APP} judges with the constants the app's router prices with: it needs --url")
+    cm = None if source == APP else load_profile(source)  # CostModelError names the file and field
     if not cfg.traces:
         raise BenchError("give at least one --trace")
     traces, names = [], set()
@@ -406,6 +414,30 @@ def check_config(cfg: BenchConfig) -> tuple[CostModel, list[TraceInput]]:
         reqs = read_trace(path, cfg.fmt)  # TraceError: file:line: field
         traces.append(TraceInput(name, path, _sha256(path), tuple(reqs)))
     return cm, traces
+
+
+def judge_source(cfg: BenchConfig) -> str:
+    """Where the cost model that judges goodput comes from: as given, else the router's own
+    constants for a live run (what `make run` fitted on this host), else the CPU profile's."""
+    return cfg.cost_model or (APP if cfg.live else "cpu-tiny")
+
+
+async def router_cost_model(app: AsyncAppClient, model: str) -> CostModel:
+    """The cost model the app's router prices `model` (its first served one) with, from `/admin/state`."""
+    try:
+        state = await app.state()
+    except AppError as e:
+        raise BenchError(f"--cost-model {APP}: cannot read the router's constants: {e}") from None
+    models = state.get("models") or {}
+    if model not in models and len(models) == 1:
+        model = next(iter(models))
+    if model not in models or "cost_model_constants" not in models[model]:
+        raise BenchError(f"--cost-model {APP}: {app.base_url}/admin/state gives no constants for {model!r}; name a cost "
+                         "model (a profile or the file `disagg calibrate` wrote)")
+    try:
+        return CostModel.from_dict(models[model]["cost_model_constants"])
+    except CostModelError as e:
+        raise BenchError(f"--cost-model {APP}: the router's constants do not load here: {e}") from None
 
 
 def check_baselines(cfg: BenchConfig) -> None:
@@ -439,16 +471,21 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def settings_of(cfg: BenchConfig, cm: CostModel, traces: Sequence[TraceInput]) -> dict:
-    """The settings that decide what is sent and how it is judged (compared on resume)."""
-    cm_hash = hashlib.sha256(json.dumps(cm.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+def cost_model_key(cm: CostModel) -> dict:
+    """What identifies the judging constants across a resume."""
+    return {"name": cm.name, "sha256": hashlib.sha256(json.dumps(cm.to_dict(), sort_keys=True).encode()).hexdigest()[:16]}
+
+
+def settings_of(cfg: BenchConfig, cm: CostModel | None, traces: Sequence[TraceInput]) -> dict:
+    """The settings that decide what is sent and how it is judged (compared on resume); the
+    router's own constants (`cm` None) are compared as a resolved value once read."""
     return {
         "version": SETTINGS_VERSION, "live": cfg.live, "sim": cfg.sim,
         "traces": [{"name": t.name, "sha256": t.sha256} for t in traces],
         "policies": list(cfg.policies), "baselines": [{"name": n, "url": u} for n, u in cfg.baselines],
         "rate": cfg.rate, "saturation": cfg.saturation,
         "duration_s": cfg.duration_s, "max_requests": cfg.max_requests, "tight_share": cfg.tight_share,
-        "seed": cfg.seed, "cost_model": {"name": cm.name, "sha256": cm_hash},
+        "seed": cfg.seed, "cost_model": cost_model_key(cm) if cm is not None else {"source": APP},
         "topology": cfg.topology, "max_model_len": cfg.max_model_len if not cfg.live else None,
         "probe": ({"requests": cfg.probe_requests, "seconds": cfg.probe_seconds, "iterations": cfg.probe_iterations}
                   if cfg.saturation else None),
@@ -638,7 +675,9 @@ class Bench:
         self.cfg = cfg
         self.progress = progress or (lambda total, label: (lambda n: None))
         self.log = log
+        # None until a live run reads the router's (`--cost-model app`): then a resolved setting
         self.cm, self.traces = check_config(cfg)
+        self.constants_check: dict | None = None
         self.settings = settings_of(cfg, self.cm, self.traces)
         self.stored = check_out_dir(cfg.out, self.settings)
         self.resolved: dict = dict((self.stored or {}).get("resolved") or {})
@@ -659,7 +698,7 @@ class Bench:
         write_json_atomic(self.cfg.out / SETTINGS_FILE, json_safe({
             "settings": self.settings, "resolved": self.resolved,
             "info": {"url": self.cfg.url, "traces": {t.name: str(t.path) for t in self.traces},
-                     "cost_model_source": self.cfg.cost_model},
+                     "cost_model_source": judge_source(self.cfg)},
         }))
 
     def _resolve(self, key: str, value) -> None:
@@ -723,6 +762,26 @@ class Bench:
 
     # live ---------------------------------------------------------------------------------------
 
+    async def _check_constants(self, app: AsyncAppClient, target: Target) -> None:
+        """Refuse (BenchError) when the judging constants describe other hardware (`constants_check`)."""
+        try:
+            verdict = await check_constants(app.probe, self.cm, target.prefill + target.decode,
+                                            target.max_model_len, self.cm.engine.max_num_seqs, self.cfg.seed)
+        except AppError as e:
+            if e.status in (401, 403, 404):  # no admin access from here: the probes cannot run
+                self.warnings.append(f"the cost model's constants were not checked against the app's hardware "
+                                     f"({e}); goodput assumes {self.cm.name!r} describes it")
+                return
+            raise BenchError(f"checking the cost model against the app's engines failed: {e}") from None
+        self.constants_check = verdict.as_dict()
+        ratios = ", ".join(f"{k} {r:.2f}×" for k, r in verdict.ratios.items())
+        self.log(f"constants of {self.cm.name!r} against the app's engines (measured ÷ predicted): {ratios}")
+        if not verdict.fits:
+            message = mismatch(verdict, self.cm.name, self.cfg.url)
+            if not self.cfg.accept_foreign_constants:
+                raise BenchError(message)
+            self.warnings.append(message)
+
     async def _live(self) -> None:
         cfg = self.cfg
         async with contextlib.AsyncExitStack() as stack:
@@ -735,9 +794,13 @@ class Bench:
             self._resolve("max_model_len", target.max_model_len)
             self._resolve("model", target.model)
             self._resolve("topology", cfg.topology or f"{len(target.prefill)}P{max(1, len(target.decode))}D")
+            if self.cm is None:
+                self.cm = await router_cost_model(c, target.model)
+                self._resolve("cost_model", cost_model_key(self.cm))
             if target.cost_model != self.cm.name:
                 self.warnings.append(f"goodput is judged with cost model {self.cm.name!r}; the router routes with "
                                      f"{target.cost_model!r}")
+            await self._check_constants(c, target)
             if not cfg.saturation:
                 self._plan_all()
             self._save_settings()  # every input checked: from here on requests are sent
@@ -984,7 +1047,7 @@ def write_results(bench: Bench) -> dict:
         warnings.append(f"{bench.store.duplicates} duplicate lines in requests.jsonl were ignored")
     results = {
         "settings": bench.settings, "resolved": bench.resolved, "url": cfg.url,
-        "cost_model": {"name": bench.cm.name, "source": cfg.cost_model,
+        "cost_model": {"name": bench.cm.name, "source": judge_source(cfg), "constants_check": bench.constants_check,
                        "slo": {c.value: {"ttft_s": bench.cm.target(c).ttft_s, "tpot_s": bench.cm.target(c).tpot_s}
                                for c in SloClass}},
         "gates": bench.gates, "warnings": warnings, "requests_sent": bench.sent,

@@ -40,6 +40,7 @@ def cmd_bench(args) -> int:
         lag_bound_s=args.lag_bound_ms / 1e3, probe_requests=args.probe_requests,
         probe_seconds=args.probe_seconds, probe_iterations=args.probe_iterations, realtime=args.realtime,
         baselines=baselines, capacity=args.capacity, capacity_steps=args.capacity_steps,
+        accept_foreign_constants=args.accept_foreign_constants,
     )
     try:
         results = run_bench(cfg, progress=lambda total, label: Progress(total, label))
@@ -98,8 +99,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", required=True, help="output folder (a rerun with the same settings resumes it)")
     bench.add_argument("--sim", action="store_true", help="also run the simulator on the same slices")
-    bench.add_argument("--cost-model", default="cpu-tiny",
-                       help="cost-model profile or YAML: SLO targets for goodput, and the simulator's constants")
+    bench.add_argument("--cost-model",
+                       help="cost-model profile or YAML: SLO targets for goodput, and the simulator's constants "
+                            "(default: with --url, `app`, the constants the router prices with; else cpu-tiny). "
+                            "A live run first checks them against the app's engines and refuses constants of "
+                            "other hardware")
+    bench.add_argument("--accept-foreign-constants", action="store_true",
+                       help="report goodput even when the cost model does not describe the app's hardware "
+                            "(miscalibration studies)")
     bench.add_argument("--topology", help="simulated topology (default: the live app's, else 1P2D)")
     bench.add_argument("--max-model-len", type=int,
                        help="context to fit requests to in a simulator-only run (live: read from /v1/models)")

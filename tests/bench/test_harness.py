@@ -208,6 +208,45 @@ def test_gates_pass_and_are_recorded(tmp_path):
     assert stub.policy == "least_loaded"
 
 
+# --- the judging constants ---------------------------------------------------------------------
+
+
+def test_a_live_run_judges_with_the_routers_constants_after_checking_them(tmp_path):
+    trace = small_trace(tmp_path / "t.csv", n=5)
+    with StubServer(hardware_factor=1.2) as stub:
+        res = run_bench(BenchConfig(out=tmp_path / "o", traces=(str(trace),), policies=("round_robin",),
+                                    url=stub.url, rate=20.0))
+        probes = [a for a in stub.admin if a == "POST /admin/probe"]
+    check = res["cost_model"]["constants_check"]
+    assert res["cost_model"]["source"] == "app" and check["fits"]
+    assert check["ratios"]["prefill"] == pytest.approx(1.2) and check["ratios"]["decode"] == pytest.approx(1.2)
+    assert len(probes) == len(check["points"]) * 3 + 3  # 3 rounds per point, a warm-up per instance
+
+
+def test_constants_of_other_hardware_are_refused_before_any_request(tmp_path):
+    trace = small_trace(tmp_path / "t.csv", n=5)
+    out = tmp_path / "o"
+    with StubServer(hardware_factor=2.5) as stub:
+        r = cli("--url", stub.url, "--trace", str(trace), "--policies", "round_robin", "--rate", "5",
+                "--out", str(out))
+        assert r.returncode == 2
+        assert "does not describe the hardware" in r.stderr and "disagg calibrate --live --url" in r.stderr
+        assert stub.completions == []
+        assert not (out / "requests.jsonl").exists()
+        # a miscalibration study may still report, flagged
+        res = run_bench(BenchConfig(out=tmp_path / "o2", traces=(str(trace),), policies=("round_robin",),
+                                    url=stub.url, rate=20.0, accept_foreign_constants=True))
+    assert not res["cost_model"]["constants_check"]["fits"]
+    assert any("does not describe the hardware" in w for w in res["warnings"])
+
+
+def test_the_routers_constants_need_a_live_app(tmp_path):
+    trace = small_trace(tmp_path / "t.csv", n=5)
+    with pytest.raises(BenchError, match="--cost-model app .* needs --url"):
+        run_bench(BenchConfig(out=tmp_path / "o", traces=(str(trace),), policies=("round_robin",), sim=True,
+                              cost_model="app", max_model_len=2048))
+
+
 # --- files -------------------------------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from disagg.app_client import make_client
+from disagg.core.cost_model import load_profile
 from disagg.bench.loadgen import (
     ClientShards, PlannedRequest, event_loop_runner, parse_route, prompt_ids, prompt_seed,
     realtime_priority, run_open_loop,
@@ -30,8 +31,9 @@ KNOWN_POLICIES = ("colocated", "least_loaded", "length_heuristic", "marginal_cos
 
 
 class StubServer:
-    """Just enough of the disagg app: /health, /v1/models, /admin/{state,policy,reset_prefix_cache}
-    and streaming /v1/completions whose first token comes `first_token_s` after the request is
+    """Just enough of the disagg app: /health, /v1/models, /admin/{state,policy,reset_prefix_cache},
+    /admin/probe (timed as cpu-tiny predicts, × `hardware_factor`) and streaming /v1/completions
+    whose first token comes `first_token_s` after the request is
     read and each further token `token_gap_s` later. `extra_tokens` makes it return the wrong
     number of tokens (the token-count gate must catch it). Decode instances are taken in turn,
     like round robin, and named in an `x-disagg-route` header, with `engine_s` (prefill, decode
@@ -39,8 +41,10 @@ class StubServer:
 
     def __init__(self, *, first_token_s: float = 0.0, token_gap_s: float = 0.0, extra_tokens: int = 0,
                  prefill=("prefill-a",), decode=("decode-a", "decode-b"), max_model_len: int = 2048,
-                 model: str = "stub-model", engine_s: tuple[float, float] | None = None) -> None:
+                 model: str = "stub-model", engine_s: tuple[float, float] | None = None,
+                 hardware_factor: float = 1.0) -> None:
         self.engine_s = engine_s
+        self.hardware_factor = hardware_factor  # its engines' speed against cpu-tiny's constants (/admin/probe)
         self.first_token_s, self.token_gap_s, self.extra_tokens = first_token_s, token_gap_s, extra_tokens
         self.prefill, self.decode, self.max_model_len, self.model = list(prefill), list(decode), max_model_len, model
         self.policy = "round_robin"
@@ -134,6 +138,7 @@ class StubServer:
         if method == "GET" and path == "/admin/state":
             insts = {**{p: {"role": "prefill"} for p in self.prefill}, **{d: {"role": "decode"} for d in self.decode}}
             return 200, {"policy": self.policy, "cost_model": "cpu-tiny", "instances": insts,
+                         "models": {self.model: {"cost_model_constants": load_profile("cpu-tiny").to_dict()}},
                          "counters": {"requests": len(self.completions)}}
         if method == "POST" and path == "/admin/policy":
             name = json.loads(body)["name"]
@@ -143,6 +148,11 @@ class StubServer:
             self.policy = name
             self.policies.append(name)
             return 200, {"policy": name}
+        if method == "POST" and path == "/admin/probe":  # timed as the cost model predicts, × hardware_factor
+            probe = json.loads(body)
+            e = load_profile("cpu-tiny").engine
+            seconds = e.prefill_s(probe["size"]) if probe["kind"] == "prefill" else e.decode_token_s(probe["size"])
+            return 200, {**probe, "seconds": seconds * self.hardware_factor}
         if method == "POST" and path == "/admin/reset_prefix_cache":
             return 200, {"prefill": [True], "decode": [True, True]}
         return 404, {"error": {"message": f"no route {method} {path}"}}

@@ -135,7 +135,8 @@ def test_a_request_hosted_on_the_prefill_engine_is_served_there_whole_with_the_s
         hosted = complete(client, prompt, max_tokens=16, ignore_eos=True)
     finally:
         slow_links.unlink(missing_ok=True)
-        assert client.post("/admin/cost_model", json={"cost_model": "cpu-tiny"}).status_code == 200
+        restore = str(stack.host_fit) if stack.host_fit else "cpu-tiny"  # what the session priced with
+        assert client.post("/admin/cost_model", json={"cost_model": restore}).status_code == 200
         set_policy(client, "marginal_cost")
     rt = route(hosted)
     assert rt["policy"] == "slo_goodput"

@@ -1,0 +1,107 @@
+"""Do the constants a bench judges with describe the hardware it measures?
+
+Goodput is the share of requests within SLO targets, and those targets come from a cost model's
+constants. Constants fitted on other hardware give targets no request meets (or every request
+meets), and then the figure says nothing about routing. So before a live run sends its load, the
+bench times a few lone probes on every instance through `POST /admin/probe` (timed inside the
+engine replica, as `disagg calibrate --live` does): prefills at two prompt lengths and decode steps
+at two concurrencies, `ROUNDS` rounds each. Per kind (prefill, decode), the median over instances
+and sizes of measured ÷ predicted must lie within `TOLERANCE`× of 1; otherwise the bench stops and
+names the command that fits this host. A few seconds on an idle fleet.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Awaitable, Callable
+
+from disagg.core.cost_model import CostModel
+
+ROUNDS = 3
+TOLERANCE = 1.5  # held-out error of a live fit is 3–7%; constants of another CPU generation were off 2×+
+DECODE_TOKENS = 12
+PREFILL_REPEATS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class ProbePoint:
+    instance: str
+    kind: str  # "prefill" (seconds to the first token of a lone prompt) | "decode" (seconds per token)
+    size: int  # prompt tokens | sequences decoding together
+    measured_s: float  # median of the rounds
+    predicted_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_s / self.predicted_s
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    points: tuple[ProbePoint, ...]
+    ratios: dict[str, float]  # kind → median measured ÷ predicted
+
+    @property
+    def fits(self) -> bool:
+        return all(1.0 / TOLERANCE <= r <= TOLERANCE for r in self.ratios.values())
+
+    def as_dict(self) -> dict:
+        return {"fits": self.fits, "tolerance": TOLERANCE, "ratios": self.ratios,
+                "points": [asdict(p) for p in self.points]}
+
+
+def probe_sizes(max_model_len: int, max_num_seqs: int) -> list[tuple[str, int]]:
+    """Two prompt lengths (the step base and the per-token cost both show) and two concurrencies."""
+    long = max(2, min(1024, max_model_len // 2))
+    short = max(1, min(128, long // 4))
+    return [("prefill", short), ("prefill", long), ("decode", 1), ("decode", max(1, min(8, max_num_seqs)))]
+
+
+def predicted_s(cm: CostModel, instance: str, kind: str, size: int) -> float:
+    e = cm.for_instance(instance)
+    return e.prefill_s(size) if kind == "prefill" else e.decode_token_s(size)
+
+
+def judge(cm: CostModel, measured: dict[tuple[str, str, int], list[float]]) -> Verdict:
+    """`measured[(instance, kind, size)]` → every round's seconds."""
+    points = tuple(ProbePoint(i, k, n, statistics.median(xs), predicted_s(cm, i, k, n))
+                   for (i, k, n), xs in sorted(measured.items()))
+    kinds = sorted({p.kind for p in points})
+    return Verdict(points, {k: statistics.median(p.ratio for p in points if p.kind == k) for k in kinds})
+
+
+async def check_constants(probe: Callable[[dict], Awaitable[dict]], cm: CostModel, instances: list[str],
+                          max_model_len: int, max_num_seqs: int, seed: int = 0) -> Verdict:
+    """Probe every instance (`probe(body)` is the `/admin/probe` call) and judge `cm` by it. The
+    first probe on each instance is a warm-up and not counted: an idle engine wakes up first."""
+    sizes = probe_sizes(max_model_len, max_num_seqs)
+    measured: dict[tuple[str, str, int], list[float]] = {}
+    n = 0
+    for inst in instances:
+        await probe({"instance": inst, "kind": "prefill", "size": sizes[0][1], "seed": seed})
+    for r in range(ROUNDS):
+        for inst in instances:
+            for kind, size in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:  # a slow spell moves between points
+                n += 1
+                body = {"instance": inst, "kind": kind, "size": size, "seed": seed * 1_000_003 + n}
+                body.update({"repeats": PREFILL_REPEATS} if kind == "prefill" else {"tokens": DECODE_TOKENS})
+                reply = await probe(body)
+                measured.setdefault((inst, kind, size), []).append(float(reply["seconds"]))
+    return judge(cm, measured)
+
+
+def mismatch(verdict: Verdict, cm_name: str, url: str) -> str:
+    """Why the bench refuses, and the commands that fix it."""
+    worst = max(verdict.points, key=lambda p: abs(math.log(p.ratio)))
+    what = {"prefill": f"a lone prefill of {worst.size} tokens", "decode": f"a decode step of {worst.size} "
+            "sequence" + ("s" if worst.size > 1 else "")}[worst.kind]
+    kinds = ", ".join(f"{k} {r:.2f}×" for k, r in verdict.ratios.items())
+    return (f"cost model {cm_name!r} does not describe the hardware at {url}: measured ÷ predicted is {kinds} "
+            f"(allowed {1 / TOLERANCE:.2f}–{TOLERANCE:.2f}×; e.g. {what} on {worst.instance}: predicted "
+            f"{worst.predicted_s * 1e3:.2f} ms, measured {worst.measured_s * 1e3:.2f} ms). Its SLO targets describe "
+            f"other hardware, so goodput against them would say nothing about routing. Fit this host: "
+            f"`disagg calibrate --live --url {url} --host --out runs/host.yaml --apply` (--host where the engines "
+            f"share the machine's cores, as on the CPU profile; the router prices with the file from then on), then "
+            f"bench again; or --accept-foreign-constants to report anyway")

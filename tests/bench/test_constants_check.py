@@ -1,0 +1,95 @@
+"""The bench's check that the constants it judges with describe the app's hardware."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from disagg.bench.constants_check import (
+    ROUNDS, TOLERANCE, check_constants, judge, mismatch, predicted_s, probe_sizes,
+)
+from disagg.core.cost_model import load_profile
+
+CM = load_profile("cpu-tiny")
+
+
+def hardware(factor: dict[str, float] | float, calls: list | None = None):
+    """A fleet whose engines take `factor` × what CM predicts (per kind, or one factor for both)."""
+    async def probe(body: dict) -> dict:
+        if calls is not None:
+            calls.append(body)
+        f = factor if isinstance(factor, float) else factor[body["kind"]]
+        return {"seconds": f * predicted_s(CM, body["instance"], body["kind"], body["size"])}
+    return probe
+
+
+def run(probe, cm=CM, instances=("p0", "d0", "d1")):
+    return asyncio.run(check_constants(probe, cm, list(instances), 2048, 64))
+
+
+@pytest.mark.parametrize("factor,fits", [(1.0, True), (1.3, True), (0.7, True), (2.0, False), (0.5, False),
+                                         ({"prefill": 1.0, "decode": 2.3}, False),
+                                         ({"prefill": 0.4, "decode": 1.0}, False)])
+def test_constants_fit_only_within_the_tolerance_for_both_kinds(factor, fits):
+    verdict = run(hardware(factor))
+    assert verdict.fits is fits
+    for kind in ("prefill", "decode"):
+        f = factor if isinstance(factor, float) else factor[kind]
+        assert verdict.ratios[kind] == pytest.approx(f)
+
+
+def test_every_instance_is_probed_at_every_point_each_round_after_a_warm_up():
+    calls: list[dict] = []
+    verdict = run(hardware(1.0, calls))
+    sizes = probe_sizes(2048, 64)
+    assert len(calls) == 3 + ROUNDS * 3 * len(sizes)  # one uncounted warm-up per instance
+    assert {(p.instance, p.kind, p.size) for p in verdict.points} == {
+        (i, k, n) for i in ("p0", "d0", "d1") for k, n in sizes}
+    assert len({c["seed"] for c in calls[3:]}) == len(calls) - 3  # fresh prompts: no prefix-cache hit
+    assert all(c["repeats"] >= 3 for c in calls[3:] if c["kind"] == "prefill")
+
+
+def test_a_slow_spell_on_one_round_does_not_move_the_median():
+    calls: list[dict] = []
+    n = {"i": 0}
+
+    async def probe(body):
+        calls.append(body)
+        n["i"] += 1
+        slow = 5.0 if 3 < n["i"] <= 3 + 12 else 1.0  # the whole first round on the first instance
+        return {"seconds": slow * predicted_s(CM, body["instance"], body["kind"], body["size"])}
+    assert run(probe).fits
+
+
+def test_per_instance_constants_are_the_ones_judged():
+    fast = CM.engine.model_copy(update={"step_base_s": CM.engine.step_base_s / 4,
+                                        "prefill_token_s": CM.engine.prefill_token_s / 4,
+                                        "decode_seq_s": CM.engine.decode_seq_s / 4})
+    with_instance = CM.model_copy(update={"instances": {"d1": fast}})
+
+    async def probe(body):  # d1 really is 4× faster; the pool's constants describe the others
+        return {"seconds": predicted_s(with_instance, body["instance"], body["kind"], body["size"])}
+    assert run(probe, cm=with_instance).fits
+    assert min(p.ratio for p in run(probe).points) == pytest.approx(0.25)  # judged with the pool's: d1 is off
+
+
+def test_probe_sizes_fit_the_context_and_the_batch_limit():
+    assert probe_sizes(2048, 64) == [("prefill", 128), ("prefill", 1024), ("decode", 1), ("decode", 8)]
+    small = probe_sizes(64, 4)
+    assert all(n < 64 for k, n in small if k == "prefill") and ("decode", 4) in small
+
+
+def test_the_refusal_names_the_worst_point_and_the_command_that_fixes_it():
+    verdict = run(hardware({"prefill": 2.4, "decode": 1.1}))
+    text = mismatch(verdict, "cpu-tiny", "http://127.0.0.1:8000")
+    assert "'cpu-tiny'" in text and "prefill 2.40×" in text and "decode 1.10×" in text
+    assert "disagg calibrate --live --url http://127.0.0.1:8000" in text and "--apply" in text
+    assert "--accept-foreign-constants" in text
+    assert f"{TOLERANCE:.2f}" in text
+
+
+def test_judge_takes_the_median_of_rounds():
+    measured = {("p0", "prefill", 128): [1.0, 100.0, 1.1]}
+    v = judge(CM, measured)
+    assert v.points[0].measured_s == 1.1
