@@ -40,6 +40,16 @@ def test_a_probe_measures_exactly_the_named_instance(client):
     assert r.status_code == 200 and 0 < r.json()["seconds"] < 1, r.text
 
 
+def test_a_repeated_seed_still_times_a_whole_prefill(client):
+    """A rerun of a calibration (or a bench's constants check) sends the same seeds: the prompt must
+    still be new to the prefix cache, or the probe times a prefill of one block and the fit learns a
+    τ_pre near zero."""
+    iid = next(i for i, v in admin_state(client)["instances"].items() if v["role"] == "prefill")
+    body = {"instance": iid, "kind": "prefill", "size": 1536, "repeats": 3, "seed": 424242}
+    first, again = (client.post("/admin/probe", json=body).json()["seconds"] for _ in range(2))
+    assert again > 0.5 * first, (first, again)  # a cached 1,536-token prompt prefills ~20× faster
+
+
 @pytest.mark.parametrize("body, param", [
     (b"not json", "instance"),
     ({"instance": "decode-nobody", "kind": "prefill", "size": 8}, "instance"),
