@@ -1,5 +1,6 @@
 """The simulator against the live app, request for request: TTFT and TPOT p50/p90 and attainment,
-per policy, trace and rate, for one or more cost models.
+per policy, trace and rate, for one or more cost models (`disagg validate` does it for the router's
+own constants, with repeats; this compares several cost models on runs already made).
 
 Usage (after `disagg bench` runs: one with `--url` for the live records, and one simulator run per
 cost model on the same slices, same `--rate`, `--max-requests`, `--seed` and topology):
@@ -22,10 +23,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from disagg.bench.script import write_result
-from disagg.stats import percentile
-
-METRICS = (("ttft_p50_s", "ttft", 50), ("ttft_p90_s", "ttft", 90), ("tpot_p50_s", "tpot", 50),
-           ("tpot_p90_s", "tpot", 90))
+from disagg.bench.validate import LATENCY as METRICS
+from disagg.bench.validate import figures
 
 
 def cells(folder: Path, system: str) -> dict[tuple, dict]:
@@ -35,14 +34,7 @@ def cells(folder: Path, system: str) -> dict[tuple, dict]:
         r = json.loads(line)
         if r.get("system") == system:
             groups[(r["policy"], r["trace"], r.get("rate"))].append(r)
-    out = {}
-    for key, recs in groups.items():
-        fig = {"requests": len(recs), "attainment": sum(bool(r.get("slo_met")) for r in recs) / len(recs)}
-        for name, field, q in METRICS:
-            xs = [r[f"{field}_s"] for r in recs if r.get(f"{field}_s") is not None]
-            fig[name] = percentile(xs, q) if xs else None
-        out[key] = fig
-    return out
+    return {key: figures(recs) for key, recs in groups.items()}
 
 
 def compare(live: dict[tuple, dict], sims: dict[str, dict[tuple, dict]], within: float) -> list[dict]:

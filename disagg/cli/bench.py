@@ -75,7 +75,7 @@ def cmd_bench(args) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """`bench`."""
+    """`bench` and `validate`."""
     bench = sub.add_parser("bench", help="measure routing policies on the live app (and/or the simulator) "
                                          "with a trace; resumable")
     bench.add_argument("--url", help="the app, e.g. http://127.0.0.1:8000 (omit with --sim for a simulator-only run)")
@@ -123,3 +123,47 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        help="another OpenAI-compatible system on the same trace slices, run after our policies on "
                             "every trace (repeatable), e.g. ray_serve_llm=http://127.0.0.1:8000/raylm")
     bench.set_defaults(func=cmd_bench)
+
+    val = sub.add_parser("validate", help="the simulator against the live app on the same trace slices: predicted "
+                                          "vs measured TTFT/TPOT p50/p90 and attainment, with the live noise floor")
+    val.add_argument("--url", required=True, help="the app, e.g. http://127.0.0.1:8000")
+    val.add_argument("--trace", action="append", required=True,
+                     help="trace file or name (repeatable, or comma-separated)")
+    val.add_argument("--policies", default="round_robin,marginal_cost", help="comma-separated policies")
+    val.add_argument("--rates", required=True, help="comma-separated rates in req/s, e.g. light,near,past capacity")
+    val.add_argument("--repeats", type=int, default=2, help="live runs per rate; 2 or more give the noise floor")
+    val.add_argument("--max-requests", type=int, default=120, help="requests of each trace slice")
+    val.add_argument("--cost-model", help="the simulator's constants and the SLO targets (default: the router's "
+                                          "own, checked against the app's engines)")
+    val.add_argument("--within", type=float, default=0.15, help="relative error a latency cell may have")
+    val.add_argument("--seed", type=int, default=0)
+    val.add_argument("--realtime", action="store_true", help="the load generator under SCHED_FIFO (see bench)")
+    val.add_argument("--out", required=True, help="output folder; one resumable bench folder per repeat and rate")
+    val.set_defaults(func=cmd_validate)
+
+
+def cmd_validate(args) -> int:
+    """`disagg validate` (disagg/bench/validate.py)."""
+    from disagg.bench.harness import BenchError, GateFailed
+    from disagg.bench.validate import FIGURE, RESULTS_JSON, RESULTS_MD, ValidateConfig, markdown, run_validate
+
+    try:
+        rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
+    except ValueError:
+        raise UsageError(f"--rates must be comma-separated numbers, got {args.rates!r}") from None
+    traces = [str(resolve_trace(t)) for spec in args.trace for t in spec.split(",") if t.strip()]
+    cfg = ValidateConfig(url=args.url.rstrip("/"), out=Path(args.out), traces=tuple(traces),
+                         policies=tuple(parse_policies(args.policies)), rates=rates, repeats=args.repeats,
+                         max_requests=args.max_requests or None, cost_model=args.cost_model, seed=args.seed,
+                         within=args.within, realtime=args.realtime)
+    try:
+        report = run_validate(cfg, log=lambda m: print(m, file=sys.stderr, flush=True),
+                              progress=lambda total, label: Progress(total, label))
+    except GateFailed as e:
+        print(f"disagg: {e}", file=sys.stderr)
+        return 1
+    except BenchError as e:
+        raise UsageError(str(e)) from None
+    print(markdown(report), end="")
+    print(f"\nwrote {cfg.out}/{RESULTS_JSON}, {RESULTS_MD}, {FIGURE}")
+    return 0

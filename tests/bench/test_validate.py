@@ -1,0 +1,99 @@
+"""`disagg validate`'s judgement (disagg/bench/validate.py) on hand-written bench folders; the live
+path is in test_bench_live.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from disagg.bench.harness import BenchError
+from disagg.bench.validate import (
+    FIGURE, ValidateConfig, check, folder, judge_cell, markdown, plot, ranking, run_order, summarize,
+)
+
+
+def cell(ttft, tpot, attainment):
+    return {"ttft_p50_s": ttft, "ttft_p90_s": 2 * ttft, "tpot_p50_s": tpot, "tpot_p90_s": 2 * tpot,
+            "attainment": attainment}
+
+
+def test_the_rates_are_swept_in_alternating_directions():
+    assert run_order((4.0, 1.0, 2.0), 3) == [(0, 1.0), (0, 2.0), (0, 4.0), (1, 4.0), (1, 2.0), (1, 1.0),
+                                             (2, 1.0), (2, 2.0), (2, 4.0)]
+
+
+def test_a_cell_passes_within_the_bound_or_the_live_noise_whichever_is_wider():
+    steady = [cell(0.100, 0.010, 0.90), cell(0.102, 0.010, 0.91)]
+    c = judge_cell(steady, cell(0.112, 0.010, 0.94), within=0.15)
+    assert c["live"]["ttft_p50_s"] == pytest.approx(0.101)
+    assert c["passed"]["ttft_p50_s"] and c["allowed"]["ttft_p50_s"] == 0.15
+    assert c["passed"]["attainment"]  # +0.035
+    c = judge_cell(steady, cell(0.130, 0.010, 0.80), within=0.15)
+    assert not c["passed"]["ttft_p50_s"] and not c["passed"]["attainment"]  # +29%; −0.105
+    noisy = [cell(0.080, 0.010, 0.70), cell(0.120, 0.010, 0.90)]  # spread 40% and 0.2
+    c = judge_cell(noisy, cell(0.130, 0.010, 0.60), within=0.15)
+    assert c["allowed"]["ttft_p50_s"] == pytest.approx(0.6) and c["passed"]["ttft_p50_s"]
+    assert c["allowed"]["attainment"] == pytest.approx(0.3) and c["passed"]["attainment"]
+    assert not judge_cell(noisy, {}, within=0.15)["passed"]["ttft_p50_s"]  # no prediction never passes
+
+
+def row(policy, live, sim, spread=0.0, trace="t", rate=1.0):
+    return {"policy": policy, "trace": trace, "rate": rate, "live": {"attainment": live}, "sim": {"attainment": sim},
+            "live_spread": {"attainment": spread}}
+
+
+def test_the_order_counts_only_pairs_live_separates_beyond_their_noise():
+    agree = ranking([row("a", 0.9, 0.8), row("b", 0.5, 0.4), row("c", 0.88, 0.95, spread=0.05)])
+    # a–c within c's noise: not counted (the simulator swaps them); a>b and c>b both kept
+    assert agree[0]["separated_pairs"] == 2 and agree[0]["agrees"]
+    flipped = ranking([row("a", 0.9, 0.4), row("b", 0.5, 0.8)])
+    assert not flipped[0]["agrees"] and flipped[0]["live_order"] == "a > b" and flipped[0]["sim_order"] == "b > a"
+    tie = ranking([row("a", 0.9, 0.95), row("b", 0.5, 0.95)])
+    assert not tie[0]["agrees"] and tie[0]["sim_order"] in ("a = b", "b = a")  # a tie does not order them
+
+
+def write_folder(path: Path, live: dict, sim: dict | None) -> Path:
+    """A bench folder's requests.jsonl: per (policy, trace) a list of (ttft, tpot, met) requests."""
+    path.mkdir(parents=True)
+    lines = []
+    for system, groups in (("live", live), ("sim", sim or {})):
+        for (policy, trace), reqs in groups.items():
+            lines += [json.dumps({"system": system, "policy": policy, "trace": trace, "index": i, "ttft_s": t,
+                                  "tpot_s": p, "slo_met": m}) for i, (t, p, m) in enumerate(reqs)]
+    (path / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_report_has_every_cell_the_noise_floor_and_the_figure(tmp_path):
+    fast = [(0.1, 0.01, True)] * 9 + [(0.5, 0.02, False)]
+    slow = [(0.2, 0.02, True)] * 5 + [(0.9, 0.05, False)] * 5
+    runs = {}
+    for rep in range(2):
+        for rate in (1.0, 3.0):
+            live = {("marginal_cost", "conv"): fast if rate == 1.0 else slow, ("round_robin", "conv"): slow}
+            sim = {("marginal_cost", "conv"): fast, ("round_robin", "conv"): fast} if rep == 0 else None
+            runs[(rep, rate)] = write_folder(folder(tmp_path, rep, rate), live, sim)
+    report = summarize(runs, within=0.15)
+    assert [(r["rate"], r["policy"]) for r in report["rows"]] == [
+        (1.0, "marginal_cost"), (1.0, "round_robin"), (3.0, "marginal_cost"), (3.0, "round_robin")]
+    assert all(r["repeats"] == 2 for r in report["rows"])
+    first = report["rows"][0]
+    assert all(first["passed"].values()) and first["live_spread"]["ttft_p50_s"] == 0.0  # the same records twice
+    assert not report["rows"][1]["passed"]["attainment"]  # live 0.5, predicted 1.0
+    s = report["summary"]
+    assert (s["latency_cells"], s["attainment_cells"], s["rankings"]) == (16, 4, 2)
+    md = markdown(report)
+    assert md.count("| conv |") == 4 + 2 and "✗" in md and f"{s['latency_passed']} of 16" in md
+    plot(report, tmp_path / FIGURE)
+    assert (tmp_path / FIGURE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("change, message", [({"rates": ()}, "--rates"), ({"rates": (1.0, -2.0)}, "--rates"),
+                                             ({"rates": (1.0, 1.0)}, "twice"), ({"repeats": 0}, "--repeats"),
+                                             ({"within": 1.5}, "--within")])
+def test_bad_settings_are_refused_before_anything_runs(tmp_path, change, message):
+    base = dict(url="http://127.0.0.1:9", out=tmp_path, traces=("t",), policies=("round_robin",), rates=(1.0,))
+    with pytest.raises(BenchError, match=message):
+        check(ValidateConfig(**{**base, **change}))
