@@ -21,7 +21,8 @@ from disagg.core.cost_model import attention_pairs, load_profile
 from disagg.core.policies import PairCost, SloGoodput
 from disagg.core.policies.base import feasible, fits
 from disagg.core.policies.marginal_cost import _with_transfer
-from disagg.core.policies.slo_goodput import _cached_tokens, _miss
+from disagg.core.policies.base import cached_prompt_tokens
+from disagg.core.policies.slo_goodput import _miss
 from disagg.core.types import CostTerms, Decision, InstanceView, NoCapacity, RequestFeatures, Role, SloClass
 from factories import engine_dict, make_cost_model
 
@@ -45,7 +46,7 @@ class ReferenceSloGoodput(SloGoodput):
         ends = []
         for p in prefill_ok:
             q = self._prefill_queue_s(p, now)
-            cached = _cached_tokens(p, req)
+            cached = cached_prompt_tokens(p, req)
             work = cm.for_instance(p.instance_id).prefill_s(prompt - cached, cached)
             ends.append((q + work, q, work, p, self._stall(p, work, out, now, spread)))
         all_ends = ends
@@ -57,7 +58,7 @@ class ReferenceSloGoodput(SloGoodput):
             ec = cm.for_instance(d.instance_id)
             b = d.queued
             pending = self._colocated_queue_s(d, now)
-            held = _cached_tokens(d, req)
+            held = cached_prompt_tokens(d, req)
             press = d.pressure_after(prompt + out + b * out // 2)
             ok_kv = 1.0 - _miss(press, 1.0, spread)
             tau_after = ec.decode_token_s(b + 1)
@@ -138,11 +139,13 @@ class ReferencePairCost(PairCost):
         else:
             candidates = iter(())
         for p, pt, d, dt in candidates:
-            xfer = prm.w_service * cm.transfer_s(p.instance_id, d.instance_id, req.prompt_tokens) * sigma
+            lacks = req.prompt_tokens - self.cached(d, req)  # d pulls only what it does not hold
+            xfer = prm.w_service * cm.transfer_s(p.instance_id, d.instance_id, lacks) * sigma
             options.append((pt.total_s + dt.total_s + xfer, p, pt, d, _with_transfer(dt, xfer)))
         if prm.allow_colocated:
             for d, dt in d_priced:
-                work = cm.for_instance(d.instance_id).prefill_s(req.prompt_tokens)
+                c = self.cached(d, req)
+                work = cm.for_instance(d.instance_id).prefill_s(req.prompt_tokens - c, c)
                 stall = prm.interference * work * d.queued
                 pt = CostTerms(own_work_s=prm.w_service * (work + stall) * sigma, slo_weight=sigma)
                 options.append((pt.total_s + dt.total_s, d, pt, d, dt))

@@ -434,3 +434,61 @@ def test_sigma_must_be_a_non_negative_number(cm, bad):
 def test_weights_must_be_non_negative_numbers(cm, param, bad):
     with pytest.raises(PolicyError, match=param):
         build_policy("marginal_cost", cm, {param: bad})
+
+
+# --- the cached part of the prompt -------------------------------------------------------------
+
+BLOCK = 16
+HASHES = tuple(range(1, 64))  # 63 blocks: a 1,008-token prefix
+
+
+def holding(views, blocks):
+    """The views, each holding its first `blocks[i]` blocks of HASHES cached."""
+    from dataclasses import replace
+
+    return [replace(v, prefix_lookup=lambda h, b=b: sum(1 for _ in zip(h, HASHES[:b]))) for v, b in zip(views, blocks)]
+
+
+def cached_request(prompt=1_000, out=50):
+    from dataclasses import replace
+
+    return replace(make_request(prompt_tokens=prompt, predicted_output_tokens=out), prefix_hashes=HASHES,
+                   prefix_block_tokens=BLOCK)
+
+
+def test_marginal_cost_prices_a_prefill_at_the_part_its_candidate_does_not_hold(cm):
+    # p0 holds 50 blocks (800 tokens) but has 0.15 s more backlog: 1,000 uncached tokens cost
+    # 4·0.01 + 1.0 = 1.04 s, the 200 others 0.01 + 0.2 = 0.21 s (plus pressure): p0 wins
+    prefill = holding(make_instances(Role.PREFILL, backlog_s=[0.15, 0.0]), [50, 0])
+    d = mc(cm).choose(cached_request(), prefill, make_instances(n=1), now=0.0)
+    assert d.prefill_id == "p0"
+    press = 200 / 10_000
+    assert d.prefill_cost.pressure == approx(press)
+    assert d.prefill_cost.own_work_s == approx(cm.engine.prefill_s(200, 800) * (1 + press))
+    # the paper's scorer prices the whole prompt everywhere: the backlog decides
+    assert mc(cm, cached_prefix=False).choose(cached_request(), prefill, make_instances(n=1), 0.0).prefill_id == "p1"
+
+
+def test_marginal_cost_never_counts_the_last_prompt_block_as_cached(cm):
+    # a prompt of exactly 63 blocks, all held: the last block is computed anyway (as vLLM does)
+    prefill = holding(make_instances(Role.PREFILL, n=1), [63])
+    d = mc(cm, rho=0.0).choose(cached_request(prompt=63 * BLOCK), prefill, make_instances(n=1), now=0.0)
+    assert d.prefill_cost.own_work_s == approx(cm.engine.prefill_s(BLOCK, 62 * BLOCK))
+
+
+def test_pair_cost_moves_only_the_kv_its_decode_instance_lacks(cm):
+    # equal decode instances but d1 holds 800 tokens of the prompt: its transfer is of 200 tokens
+    decode = holding(make_instances(Role.DECODE, n=2), [0, 50])
+    p = build_policy("pair_cost", cm, {"allow_colocated": False})
+    d = p.choose(cached_request(), make_instances(Role.PREFILL, n=1), decode, now=0.0)
+    assert d.decode_id == "d1"
+    assert d.decode_cost.transfer_s == approx(cm.transfer.transfer_s(200))
+
+
+def test_pair_cost_colocates_on_the_decode_instance_that_holds_the_prompt(cm):
+    # the prefill pool is backlogged; d1 holds the prompt, so its own prefill is of 200 tokens only
+    decode = holding(make_instances(Role.DECODE, n=2), [0, 50])
+    prefill = make_instances(Role.PREFILL, backlog_s=[5.0])
+    d = build_policy("pair_cost", cm).choose(cached_request(), prefill, decode, now=0.0)
+    assert (d.prefill_id, d.decode_id) == ("d1", "d1")
+    assert d.prefill_cost.own_work_s == approx(cm.engine.prefill_s(200, 800))

@@ -135,6 +135,16 @@ def fits(view: InstanceView, prompt_tokens: int) -> bool:
     return prompt_tokens + 1 <= view.kv_capacity_tokens
 
 
+def cached_prompt_tokens(v: InstanceView, req: RequestFeatures) -> int:
+    """Prompt tokens `v` holds cached, as a prefill there may reuse them: whole leading blocks, never
+    the block of the last prompt token (always computed, as in vLLM)."""
+    if not req.prefix_hashes:
+        return 0
+    blocks = v.cached_prefix_blocks(req.prefix_hashes)
+    block = req.prefix_block_tokens
+    return min(blocks, (req.prompt_tokens - 1) // block) * block if blocks else 0
+
+
 def feasible(pool: Sequence[InstanceView], req: RequestFeatures, pool_name: str) -> list[InstanceView]:
     if not pool:
         raise NoCapacity(f"the {pool_name} pool is empty")

@@ -9,7 +9,8 @@ from pydantic import Field
 
 from disagg.core.cost_model import CostModel
 from disagg.core.policies.base import (
-    PairTransfers, Params, Policy, PolicyError, TieBreak, TieBreakParams, feasible, fits, register,
+    PairTransfers, Params, Policy, PolicyError, TieBreak, TieBreakParams, cached_prompt_tokens, feasible, fits,
+    register,
 )
 from disagg.core.types import CostTerms, Decision, InstanceView, NoCapacity, RequestFeatures, SloClass
 
@@ -23,6 +24,9 @@ class MarginalCostParams(TieBreakParams):
         default_factory=lambda: {SloClass.TIGHT: 2.0, SloClass.LOOSE: 1.0},
         description="σ(class): amplification of strict SLO classes",
     )
+    cached_prefix: bool = Field(
+        default=True, description="price a prefill at the part of the prompt the candidate does not hold cached "
+                                  "(false: the whole prompt everywhere, the paper's scorer)")
 
 
 @register
@@ -36,10 +40,13 @@ class MarginalCost(Policy):
     where τ_dec(d) is d's calibrated per-token decode time at its post-admission concurrency and
     press⁺(d) = (KV used + p + ô) / KV capacity. Prefill candidates are priced the same way with the
     calibrated prefill time of p tokens in place of ô·τ_dec and press⁺ = (KV used + p) / capacity.
+    With `cached_prefix` (the default) and prefix hashes on the request, a prefill candidate holding
+    the prompt's first c tokens cached is priced at its prefill of the p − c others (attending to
+    the c) and press⁺ = (KV used + p − c) / capacity: what vLLM computes and allocates there.
     Argmin in each pool independently; ties go to the first candidate. The chosen candidates' terms
     travel in the Decision, so every choice can be explained.
 
-    Parameters: `w_backlog`, `w_service`, `w_queue_s`, `rho`, `sigma` (above), and near-tie breaking:
+    Parameters: `w_backlog`, `w_service`, `w_queue_s`, `rho`, `sigma`, `cached_prefix` (above), and near-tie breaking:
     `tie_tolerance` (default 0.0 = deterministic argmin) and `seed` (default 0). With t > 0 each pool's
     choice is uniformly random among the candidates costing at most (1 + t) × that pool's best, so
     router replicas with equally stale views do not all pick the same instance.
@@ -62,10 +69,15 @@ class MarginalCost(Policy):
     def output_tokens(self, req: RequestFeatures) -> int:
         return req.predicted_output_tokens
 
+    def cached(self, v: InstanceView, req: RequestFeatures) -> int:
+        """The prompt tokens a prefill on `v` would not compute."""
+        return cached_prompt_tokens(v, req) if self.params.cached_prefix else 0
+
     def prefill_terms(self, v: InstanceView, req: RequestFeatures, sigma: float) -> CostTerms:
         prm = self.params
-        press = v.pressure_after(req.prompt_tokens)
-        work = self.cost_model.for_instance(v.instance_id).prefill_s(req.prompt_tokens)
+        cached = self.cached(v, req)
+        press = v.pressure_after(req.prompt_tokens - cached)
+        work = self.cost_model.for_instance(v.instance_id).prefill_s(req.prompt_tokens - cached, cached)
         return CostTerms(
             backlog_s=prm.w_backlog * v.backlog_s * sigma,
             own_work_s=prm.w_service * work * (1.0 + prm.rho * press) * sigma,
@@ -100,6 +112,8 @@ class MarginalCost(Policy):
     def _argmin_prefill(self, pool, req, sigma):
         prm, cm, p = self.params, self.cost_model, req.prompt_tokens
         wb, ws, wq, rho = prm.w_backlog * sigma, prm.w_service * sigma, prm.w_queue_s, prm.rho
+        if req.prefix_hashes and prm.cached_prefix:
+            return self._tie.pick(pool, self._prefill_totals(pool, req, sigma))
         if cm.instances:
             totals = [wb * v.backlog_s + ws * cm.for_instance(v.instance_id).prefill_s(p)
                       * (1.0 + rho * ((v.kv_used_tokens + p) / v.kv_capacity_tokens)) + wq * v.queued for v in pool]
@@ -108,6 +122,24 @@ class MarginalCost(Policy):
             totals = [wb * v.backlog_s + ws * work * (1.0 + rho * ((v.kv_used_tokens + p) / v.kv_capacity_tokens))
                       + wq * v.queued for v in pool]
         return self._tie.pick(pool, totals)
+
+    def _prefill_works(self, pool: Sequence[InstanceView], req: RequestFeatures) -> list[float]:
+        """Each candidate's prefill time of the prompt, less what it holds cached (`cached`)."""
+        cm, p = self.cost_model, req.prompt_tokens
+        if req.prefix_hashes and self.params.cached_prefix:
+            return [cm.for_instance(v.instance_id).prefill_s(p - c, c)
+                    for v, c in zip(pool, (cached_prompt_tokens(v, req) for v in pool))]
+        if not cm.instances:
+            return [cm.engine.prefill_s(p)] * len(pool)
+        return [cm.for_instance(v.instance_id).prefill_s(p) for v in pool]
+
+    def _prefill_totals(self, pool: Sequence[InstanceView], req: RequestFeatures, sigma: float) -> list[float]:
+        """`prefill_terms(v, req, sigma).total_s` for each v in `pool`."""
+        prm, p = self.params, req.prompt_tokens
+        wb, ws, rho, wq = prm.w_backlog, prm.w_service, prm.rho, prm.w_queue_s
+        new = [p - self.cached(v, req) for v in pool] if req.prefix_hashes else [p] * len(pool)
+        return [wb * v.backlog_s * sigma + ws * work * (1.0 + rho * v.pressure_after(n)) * sigma + wq * v.queued
+                for v, work, n in zip(pool, self._prefill_works(pool, req), new)]
 
     def _argmin_decode(self, pool, req, sigma, out):
         prm, cm, extra = self.params, self.cost_model, req.prompt_tokens + out
@@ -158,9 +190,10 @@ class PairCost(MarginalCost):
     """`pair_cost`: prices (prefill, decode) as one pair, KV transfer included.
 
     Beyond the paper: the cost of a pair is the marginal_cost prefill price on p, plus the
-    calibrated KV transfer time p→d for the prompt, plus the marginal_cost decode price on d. With
+    calibrated KV transfer time p→d of the prompt tokens d does not hold cached (with
+    `cached_prefix`; the whole prompt otherwise), plus the marginal_cost decode price on d. With
     per-pair transfer constants (for example same node vs across nodes) the argmin is taken over
-    all pairs; otherwise it decomposes into the two independent argmins plus a constant.
+    all pairs; otherwise the prefill instance is the prefill pool's own argmin.
     With `allow_colocated`, each decode instance is also priced as its own prefill: no transfer,
     but the prefill joins d's backlog and stalls the sequences running there, charged as
     `interference × prefill time × queued(d)`.
@@ -211,19 +244,25 @@ class PairCost(MarginalCost):
         # decode instance as its own prefill
         costs: list[float] = []
         w_s = prm.w_service
-        moved, stays = w_s * cm.transfer.transfer_s(prompt) * sigma, w_s * 0.0 * sigma  # default constants
+        stays = w_s * 0.0 * sigma
+        # the KV moved to d: the prompt less what d holds cached (the connector pulls only the rest)
+        lacks = [prompt - self.cached(d, req) for d in decode_ok] if req.prefix_hashes else None
+        moved = ([w_s * cm.transfer.transfer_s(n) * sigma for n in lacks] if lacks
+                 else [w_s * cm.transfer.transfer_s(prompt) * sigma] * len(decode_ok))  # default constants
         for i in paired:
             p_id, pt = prefill_ok[i].instance_id, p_totals[i]
             pair_row = self._pair_transfers.row(p_id)
             if pair_row:
                 costs += [pt + dt + (stays if d.instance_id == p_id else w_s * pair_row.get(
-                          d.instance_id, cm.transfer).transfer_s(prompt) * sigma) for d, dt in zip(decode_ok, d_totals)]
+                          d.instance_id, cm.transfer).transfer_s(lacks[j] if lacks else prompt) * sigma)
+                          for j, (d, dt) in enumerate(zip(decode_ok, d_totals))]
             else:  # `cm.transfer_s`: one price for every decode instance but p itself
-                costs += [pt + dt + (stays if d.instance_id == p_id else moved) for d, dt in zip(decode_ok, d_totals)]
+                costs += [pt + dt + (stays if d.instance_id == p_id else mv)
+                          for d, dt, mv in zip(decode_ok, d_totals, moved)]
         n_pairs = len(costs)
         if prm.allow_colocated:
             costs += [w_s * (work + prm.interference * work * d.queued) * sigma + dt
-                      for d, dt, work in zip(decode_ok, d_totals, self._prefill_works(decode_ok, prompt))]
+                      for d, dt, work in zip(decode_ok, d_totals, self._prefill_works(decode_ok, req))]
 
         if not costs:
             feasible(prefill, req, "prefill")  # raises the precise reason
@@ -231,27 +270,14 @@ class PairCost(MarginalCost):
         best = self._tie.pick(range(len(costs)), costs)  # tolerance 0: the first cheapest
         if best < n_pairs:
             p, d = prefill_ok[paired[best // len(decode_ok)]], decode_ok[best % len(decode_ok)]
-            xfer = w_s * cm.transfer_s(p.instance_id, d.instance_id, prompt) * sigma
+            xfer = w_s * cm.transfer_s(p.instance_id, d.instance_id, prompt - self.cached(d, req)) * sigma
             return Decision(p.instance_id, d.instance_id, self.name, self.prefill_terms(p, req, sigma),
                             _with_transfer(self.decode_terms(d, req, sigma, out), xfer))
         d = decode_ok[best - n_pairs]
-        work = cm.for_instance(d.instance_id).prefill_s(prompt)
+        work = self._prefill_works([d], req)[0]
         stall = prm.interference * work * d.queued
         pt = CostTerms(own_work_s=w_s * (work + stall) * sigma, slo_weight=sigma)
         return Decision(d.instance_id, d.instance_id, self.name, pt, self.decode_terms(d, req, sigma, out))
-
-    def _prefill_works(self, pool: Sequence[InstanceView], prompt: int) -> list[float]:
-        cm = self.cost_model
-        if not cm.instances:
-            return [cm.engine.prefill_s(prompt)] * len(pool)
-        return [cm.for_instance(v.instance_id).prefill_s(prompt) for v in pool]
-
-    def _prefill_totals(self, pool: Sequence[InstanceView], req: RequestFeatures, sigma: float) -> list[float]:
-        """`prefill_terms(v, req, sigma).total_s` for each v in `pool`."""
-        prm, p = self.params, req.prompt_tokens
-        wb, ws, rho, wq = prm.w_backlog, prm.w_service, prm.rho, prm.w_queue_s
-        return [wb * v.backlog_s * sigma + ws * work * (1.0 + rho * v.pressure_after(p)) * sigma + wq * v.queued
-                for v, work in zip(pool, self._prefill_works(pool, p))]
 
     def _decode_totals(self, pool: Sequence[InstanceView], req: RequestFeatures, sigma: float, out: int) -> list[float]:
         """`decode_terms(v, req, sigma, out).total_s` for each v in `pool`."""

@@ -17,6 +17,7 @@ from disagg.core.policies.base import (
     PairTransfers,
     Params,
     Policy,
+    cached_prompt_tokens,
     feasible,
     fits,
     register,
@@ -60,16 +61,6 @@ def _miss(predicted_s: float, target_s: float, spread: float) -> float:
     """Chance that a latency predicted at `predicted_s` misses `target_s`: a normal error of `spread`
     × target around the prediction (Φ((x − 1)/spread) with x = predicted/target)."""
     return 0.5 * math.erfc((1.0 - predicted_s / target_s) / spread * _INV_SQRT2)
-
-
-def _cached_tokens(v: InstanceView, req: RequestFeatures) -> int:
-    """Prompt tokens `v` holds cached, as a prefill there may reuse them: whole leading blocks, never
-    the block of the last prompt token (always computed, as in vLLM)."""
-    if not req.prefix_hashes:
-        return 0
-    blocks = v.cached_prefix_blocks(req.prefix_hashes)
-    block = req.prefix_block_tokens
-    return min(blocks, (req.prompt_tokens - 1) // block) * block if blocks else 0
 
 
 # A placement as the `_best_*` methods price it: (cost, order, prefill instance, decode instance,
@@ -427,7 +418,7 @@ class SloGoodput(Policy):
             if steps is None:
                 steps = memo[b] = _step_times(ec, b)
             pending = min(d.backlog_s, max(0.0, colocated_ends.get(did, now) - now))  # `_colocated_queue_s`
-            held = _cached_tokens(d, req) if hashes else 0
+            held = cached_prompt_tokens(d, req) if hashes else 0
             sites.append((i, d, ec, b, steps, pending, held))
         return sites
 
@@ -448,7 +439,7 @@ class SloGoodput(Policy):
         for p in pool:
             q = self._prefill_queue_s(p, now) if self._overpriced else p.backlog_s
             if not uniform:
-                cached = _cached_tokens(p, req)  # the uncached rest attends to the cached prefix too
+                cached = cached_prompt_tokens(p, req)  # the uncached rest attends to the cached prefix too
                 work = cm.for_instance(p.instance_id).prefill_s(prompt - cached, cached)
             ends.append((q + work, q, work, p))
         return ends
