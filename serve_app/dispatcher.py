@@ -51,6 +51,7 @@ from disagg.core.ledger import Ledger, admission_work
 from disagg.core.model_routing import LatencyAware, ModelRouter
 from disagg.core.planner import WindowCounter
 from disagg.core.policies import Colocated
+from disagg.core.policies.base import cached_prompt_tokens
 from disagg.core.predictor import BucketMeanPredictor
 from disagg.core.prefix_index import PrefixIndex, prompt_block_hashes
 from disagg.core.ttft_estimator import TtftEstimateError, peer_share
@@ -272,10 +273,14 @@ class Dispatcher:
         f.decision_cpu_us = (time.thread_time() - cpu0) * 1e6
         f.decision, f.t_arrival = decision, t_arrival
         f.state_seen = self.registry.versions(decision.prefill_id, decision.decode_id)
+        # what the prefill instance holds of the prompt, as the policy saw it (before the index notes
+        # that the chosen instances now hold the whole prompt)
+        cached = next((cached_prompt_tokens(v, feats) for v in (*prefill_views, *decode_views)
+                       if v.instance_id == decision.prefill_id), 0) if feats.prefix_hashes else 0
         if index is not None:
             self._note_prefix(f, index, prefill_views + decode_views)
         pw, dw = admission_work(m.cost_model, decision.prefill_id, decision.decode_id, p, output_tokens,
-                                self.ledger.queued(decision.decode_id))
+                                self.ledger.queued(decision.decode_id), cached)
         self.ledger.admit(f.rid, decision.prefill_id, decision.decode_id, pw, dw, p)
         self.window.admitted(p, f.slo)
         f.work_s = (pw, dw)

@@ -182,11 +182,12 @@ class Ledger:
 
 
 def admission_work(cm: CostModel, prefill_id: str, decode_id: str, prompt_tokens: int,
-                   predicted_output_tokens: int, decode_queued: int) -> tuple[float, float]:
+                   predicted_output_tokens: int, decode_queued: int, cached_tokens: int = 0) -> tuple[float, float]:
     """The seconds of work a routed request commits to its prefill and decode instances:
-    the calibrated prefill time of its prompt, and ô decode tokens at the decode instance's
+    the calibrated prefill time of the prompt tokens the prefill instance does not hold cached
+    (attending to the `cached_tokens` it does), and ô decode tokens at the decode instance's
     concurrency once it has joined. The live router and the simulator both price with this."""
-    prefill_s = cm.for_instance(prefill_id).prefill_s(prompt_tokens)
+    prefill_s = cm.for_instance(prefill_id).prefill_s(prompt_tokens - cached_tokens, cached_tokens)
     decode_s = predicted_output_tokens * cm.for_instance(decode_id).decode_token_s(decode_queued + 1)
     return prefill_s, decode_s
 

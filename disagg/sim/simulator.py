@@ -590,9 +590,14 @@ class Simulator:
     def _admit(self, f: _Flight, now: float) -> None:
         r = f.req
         ledger = self.ledgers[f.router]
-        # priced with the router's constants (which the miscalibration study makes wrong)
+        # priced with the router's constants (which the miscalibration study makes wrong), for the
+        # prompt tokens the prefill instance does not hold (what the router's view of it said)
+        cached = 0
+        if r.prefix_hashes:
+            reusable = _reusable_blocks(r.prompt_tokens, r.prefix_hashes)
+            cached = self.prefix_caches[f.prefill_id].leading_hits(r.prefix_hashes, reusable) * PREFIX_BLOCK_TOKENS
         prefill_work, decode_work = admission_work(self.policies[f.router].cost_model, f.prefill_id, f.decode_id,
-                                                   r.prompt_tokens, f.predicted, ledger.queued(f.decode_id))
+                                                   r.prompt_tokens, f.predicted, ledger.queued(f.decode_id), cached)
         ledger.admit(f.rid, f.prefill_id, f.decode_id, prefill_work, decode_work, r.prompt_tokens)
         f.prefill_work_s, f.decode_work_s = prefill_work, decode_work
         if self.fleet is not None:

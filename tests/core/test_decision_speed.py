@@ -12,7 +12,6 @@ must the private state they leave (`slo_goodput`'s clocks) and the `NoCapacity` 
 
 from __future__ import annotations
 
-import heapq
 import random
 
 import pytest
@@ -45,7 +44,7 @@ class ReferenceSloGoodput(SloGoodput):
             raise NoCapacity("no prefill candidate fits and colocated prefill is disabled")
         ends = []
         for p in prefill_ok:
-            q = self._prefill_queue_s(p, now)
+            q = p.backlog_s
             cached = cached_prompt_tokens(p, req)
             work = cm.for_instance(p.instance_id).prefill_s(prompt - cached, cached)
             ends.append((q + work, q, work, p, self._stall(p, work, out, now, spread)))
@@ -108,9 +107,6 @@ class ReferenceSloGoodput(SloGoodput):
             self._colocated_ends[d.instance_id] = now + q + work
         else:
             self._add_prefill(p.instance_id, work, now)
-            overpriced = cm.for_instance(p.instance_id).prefill_s(prompt) - work
-            if overpriced > 0.0:
-                heapq.heappush(self._overpriced.setdefault(p.instance_id, []), (now + q + work, overpriced))
         return Decision(
             p.instance_id, d.instance_id, self.name,
             CostTerms(backlog_s=q, own_work_s=work, pressure=p.pressure_after(prompt)),
@@ -249,7 +245,7 @@ def test_slo_goodput_chooses_as_the_exhaustive_reference(cm_name, params):
         fast = SloGoodput(cm, SloGoodput.Params(**params))
         slow = ReferenceSloGoodput(cm, SloGoodput.Params(**params))
         compared += _run_pair(fast, slow, rng, 40, max_p=6, max_d=12)
-        assert fast._colocated_ends == slow._colocated_ends and fast._overpriced == slow._overpriced
+        assert fast._colocated_ends == slow._colocated_ends
         assert fast._prefill_rate == slow._prefill_rate
     assert compared == 480
 

@@ -39,10 +39,12 @@ def test_a_lone_request_meets_a_scale_just_above_one_and_misses_just_below(cm, s
 def test_long_context_is_measurable_with_a_scale_and_not_with_fixed_targets(cm):
     trace = prepare_trace(generate("long_context_chat", 200, 0.2, seed=3), 0.2, 0.5, 0)
     fixed, _ = simulate(trace, cm, Topology(2, 4), "marginal_cost")
+    blind, _ = simulate(trace, cm, Topology(2, 4), "round_robin")
     scaled, _ = simulate(trace, cm, Topology(2, 4), "marginal_cost", slo_scale=4.0)
-    # a first turn's 10-20k-token prefill meets no 175 or 525 ms target (follow-ups hit the cache):
-    # no attainment near 90% is reachable at any rate, so there is no capacity to compare
-    assert fixed["goodput"] < 0.6
+    # a first turn's 10-20k-token prefill meets no 175 or 525 ms target (follow-ups hit the cache,
+    # more of them when the policy routes to the cache): no attainment the capacity searches ask for
+    # (75% or 90%) is reachable at any rate, so there is no capacity to compare
+    assert blind["goodput"] < 0.6 and fixed["goodput"] < 0.75
     assert scaled["goodput"] > 0.9
 
 

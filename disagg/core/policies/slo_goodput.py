@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import heapq
 import math
 
 from pydantic import Field
@@ -125,9 +124,8 @@ class SloGoodput(Policy):
       step it saves. When the decode pool's KV or TPOT is the limit, the prefill pool's KV and
       time serve decodes as well.
 
-    Queues: the ledger's `backlog_s` prices every prompt whole, so on a prefill instance the policy
-    subtracts what it knows the ledger overprices: the cached part of its own prefills there, until
-    their predicted end. On a decode instance the backlog mixes colocated prefill with decode work,
+    Queues: on a prefill instance, the ledger's `backlog_s` (which prices each prefill at the part of
+    its prompt that instance did not hold cached). On a decode instance the backlog mixes colocated prefill with decode work,
     so the policy keeps its own clock of when the colocated prefills it sent there end, bounded by
     the backlog; with several router replicas each sees only its own colocated prefills there
     (private state, like a round-robin cursor: fresh per replica), and its own prefills in the
@@ -163,9 +161,6 @@ class SloGoodput(Policy):
         super().__init__(cost_model, params)
         # decode instance → when the colocated prefills this policy sent there end (its own clock)
         self._colocated_ends: dict[str, float] = {}
-        # prefill instance → heap of (predicted end, seconds the ledger overprices it) of this policy's
-        # prefills there: the ledger prices a prompt whole, the engine computes only its uncached part
-        self._overpriced: dict[str, list[tuple[float, float]]] = {}
         self._tpot_floor_s = min(t.tpot_s for t in cost_model.slo.values())  # the strictest class's target
         self._pair_transfers = PairTransfers(cost_model)
         # prefill instance → [prefill seconds per second this policy sent there, as of time t]: an
@@ -173,15 +168,6 @@ class SloGoodput(Policy):
         self._prefill_rate: dict[str, list[float]] = {}
         # instance id (None: the default constants) → batch size → `_step_times`; pure, so memoised
         self._steps: dict[str | None, dict[int, tuple[float, float, float, float]]] = {}
-
-    def _prefill_queue_s(self, v: InstanceView, now: float) -> float:
-        """The ledger's backlog on a prefill instance, less the cache hits of our prefills still in it."""
-        heap = self._overpriced.get(v.instance_id)
-        if not heap:
-            return v.backlog_s
-        while heap and heap[0][0] <= now:  # ended: the ledger has dropped its whole price too
-            heapq.heappop(heap)
-        return max(0.0, v.backlog_s - sum(x for _, x in heap))
 
     def _utilization(self, instance_id: str, now: float) -> float:
         """The share of the prefill instance's time its prefills take (our own, averaged), below 0.95."""
@@ -230,9 +216,6 @@ class SloGoodput(Policy):
             self._colocated_ends[d.instance_id] = now + q + work
         else:
             self._add_prefill(p.instance_id, work, now)
-            overpriced = cm.for_instance(p.instance_id).prefill_s(prompt) - work
-            if overpriced > 0.0:
-                heapq.heappush(self._overpriced.setdefault(p.instance_id, []), (now + q + work, overpriced))
         return Decision(
             p.instance_id, d.instance_id, self.name,
             CostTerms(backlog_s=q, own_work_s=work, pressure=p.pressure_after(prompt)),
@@ -437,7 +420,7 @@ class SloGoodput(Policy):
         work = cm.engine.prefill_s(prompt) if uniform else 0.0
         ends = []
         for p in pool:
-            q = self._prefill_queue_s(p, now) if self._overpriced else p.backlog_s
+            q = p.backlog_s
             if not uniform:
                 cached = cached_prompt_tokens(p, req)  # the uncached rest attends to the cached prefix too
                 work = cm.for_instance(p.instance_id).prefill_s(prompt - cached, cached)
