@@ -195,8 +195,9 @@ class Dispatcher:
             on = d.prefill_id == inst.instance_id if prefill_side else d.decode_id == inst.instance_id
             if not on:
                 continue
-            started = f.prefilled if prefill_side else f.t_first is not None
-            facts.append(FlightFacts(len(f.prompt_ids), f.predicted or 1, started, f.generated))
+            hosted = prefill_side and d.decode_id == inst.instance_id  # it decodes here too
+            started = f.prefilled if prefill_side and not hosted else f.t_first is not None
+            facts.append(FlightFacts(len(f.prompt_ids), f.predicted or 1, started, f.generated, hosted))
         return facts
 
     def choose_model(self, prompts: dict[str, list[int]], max_tokens: int | None, ignore_eos: bool, slo: SloClass,

@@ -21,7 +21,9 @@ where the estimate sits beside the measured TTFT):
   50 ms and cannot be split per request; a request whose KV would exceed the polled capacity
   (the engine must have preempted or stopped it) is left out rather than failing the estimate;
 - on a prefill instance of a disaggregated model, a request counts until its prefill returns
-  (`first_token` there means "prefilled"); the KV it holds while being pulled is not modelled.
+  (`first_token` there means "prefilled"); the KV it holds while being pulled is not modelled. A
+  request the policy *hosts* there (prefill and decode on that instance, `hosted`) counts as a
+  whole request, decode included: it shares the instance's steps with the prefills.
 
 Pure: no Ray, no clock reads.
 """
@@ -43,6 +45,7 @@ class FlightFacts:
     predicted_output_tokens: int  # total, including the first token
     first_token: bool  # has the router seen its first token?
     relayed_tokens: int = 0  # output tokens the router has relayed so far
+    hosted: bool = False  # on a prefill instance: it decodes there too
 
 
 def instance_snapshot(flights: Sequence[FlightFacts], constants: EngineConstants,
@@ -50,17 +53,18 @@ def instance_snapshot(flights: Sequence[FlightFacts], constants: EngineConstants
     """The snapshot of an instance holding `flights` (see the module docstring for what is approximated).
 
     `prefill_only`: the instance is a prefill instance of a disaggregated model; its requests end
-    at their first token.
+    at their first token, but for the ones it hosts.
     """
     bs = constants.block_size
     room = constants.kv_capacity_tokens // bs
     waiting, running = [], []
     for f in flights:
+        only = prefill_only and not f.hosted
         if not f.first_token:
-            out = 1 if prefill_only else max(1, f.predicted_output_tokens)
-            waiting.append(QueuedRequest(f.prompt_tokens, out, prefill_only=prefill_only))
+            out = 1 if only else max(1, f.predicted_output_tokens)
+            waiting.append(QueuedRequest(f.prompt_tokens, out, prefill_only=only))
             continue
-        if prefill_only:
+        if only:
             continue  # its prefill is done; the KV hand-off is not modelled
         decoded = max(1, f.relayed_tokens)
         blocks = -(-(f.prompt_tokens + decoded) // bs)

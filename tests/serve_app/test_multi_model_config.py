@@ -184,6 +184,18 @@ def test_snapshot_of_a_prefill_instance_counts_only_unfinished_prefills():
     assert snap == InstanceSnapshot(waiting=(QueuedRequest(60, 1, prefill_only=True),))
 
 
+def test_snapshot_of_a_prefill_instance_keeps_the_decodes_it_hosts():
+    c = load_profile("cpu-tiny").engine
+    flights = [FlightFacts(100, 40, True, 3, hosted=True), FlightFacts(80, 20, False, hosted=True),
+               FlightFacts(60, 8, False)]
+    snap = instance_snapshot(flights, c, prefill_only=True)
+    assert snap == InstanceSnapshot(waiting=(QueuedRequest(80, 20), QueuedRequest(60, 1, prefill_only=True)),
+                                    running=(RunningRequest(100, 3, 37),))
+    # a hosted decode shares the instance's steps: a prefill queued behind it waits longer
+    alone = instance_snapshot(flights[2:], c, prefill_only=True)
+    assert estimate_ttft(c, snap, 500).ttft_s > estimate_ttft(c, alone, 500).ttft_s
+
+
 def test_snapshot_never_holds_more_kv_than_the_instance_and_the_estimate_runs():
     c = load_profile("cpu-tiny").engine.model_copy(update={"kv_capacity_tokens": 256})
     flights = [FlightFacts(100, 50, True, 20), FlightFacts(100, 50, True, 20), FlightFacts(10, 5, False)]
