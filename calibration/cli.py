@@ -38,6 +38,8 @@ def cmd_calibrate_live(args) -> int:
         raise UsageError("--live measures a running app: give its --url")
     if args.config is not None:
         raise UsageError("--live reads the fleet from the app itself (/admin/state): leave out --config")
+    if not 0.0 <= args.settle_s <= 600.0:
+        raise UsageError(f"--settle-s must be in [0, 600] s, got {args.settle_s!r}")
     if not 0.0 <= args.pause_s <= 2.0:
         raise UsageError(f"--pause-s must be in [0, 2] s, got {args.pause_s!r}")
     if not 0.0 < args.budget_s <= 3600.0:
@@ -47,6 +49,12 @@ def cmd_calibrate_live(args) -> int:
     url = args.url.rstrip("/")
     check_reachable(url)
     out = Path(args.out)
+    if args.settle_s:
+        if not args.host:
+            raise UsageError("--settle-s waits for this machine to go quiet: use it with --host, on the app's machine")
+        from calibration.host import settle
+
+        asyncio.run(settle(args.settle_s, log=lambda m: print(f"host: {m}", file=sys.stderr)))
     measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
         fleet, samples, seconds = asyncio.run(calibrate_fleet(
@@ -242,6 +250,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                      help="--live, on the app's own machine: also measure how its engines share the host's "
                           "processors and the serving path's CPU per token and per request (the CPU profile; "
                           "not for engines that own their GPUs)")
+    cal.add_argument("--settle-s", type=float, default=0.0,
+                     help="--host: first wait up to this many seconds for the machine to go quiet (a stack "
+                          "that has just started is still busy); default 0")
     cal.add_argument("--apply", action="store_true",
                      help="--live: then have the router reload the file (it must lie inside router.cost_model_dir)")
     cal.set_defaults(func=cmd_calibrate)

@@ -39,6 +39,7 @@ PROMPT_TOKENS = 32
 CONTENTION_BATCH = 4
 CONTENTION_TOKENS = 64
 CONTENTION_ROUNDS = 4  # probes of one engine vary by ±30% on shared cores: the medians need a few
+QUIET_CORES = 0.4  # a host this busy with nothing served is still settling (`settle`); the CPU profile idles at ~0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +136,23 @@ async def _cpu_of(run: Callable[[], Awaitable]) -> tuple[float, float, object]:
     h0, own0, t0 = host_cpu_s(), time.process_time(), time.monotonic()
     result = await run()
     return (host_cpu_s() - h0) - (time.process_time() - own0), time.monotonic() - t0, result
+
+
+async def settle(limit_s: float, quiet_cores: float = QUIET_CORES, window_s: float = 2.0,
+                 log: Callable[[str], None] = lambda m: None) -> float:
+    """Wait until the host's CPU use (less this process's) stays under `quiet_cores` for one
+    `window_s`, at most `limit_s`; the seconds waited. A stack that has just started keeps the host
+    busy for a while (measured: an engine's decode step 1.9× its settled time), and constants
+    fitted then describe that moment, not the engines."""
+    waited = 0.0
+    while True:
+        cpu, wall, _ = await _cpu_of(lambda: asyncio.sleep(window_s))
+        waited += wall
+        log(f"host busy {cpu / wall:.2f} cores")
+        if cpu / wall < quiet_cores or waited >= limit_s:
+            log(f"settled after {waited:.0f} s" if cpu / wall < quiet_cores
+                else f"still above {quiet_cores:g} cores after {waited:.0f} s: measuring anyway")
+            return waited
 
 
 async def measure_host(url: str, model: str, instances: dict[str, str], engine: EngineConstants,

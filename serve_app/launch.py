@@ -238,7 +238,7 @@ class LocalStack:
             out.parent.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, "-m", "disagg.cli", "calibrate", "--live", "--url", self.base_url, "--quick",
                    "--url-requests", "8", "--model", cfg.model.served_name, "--out", str(out), "--apply",
-                   *(["--host"] if cfg.engine.device == "cpu" else [])]  # GPUs own their devices
+                   *(["--host", "--settle-s", "60"] if cfg.engine.device == "cpu" else [])]  # GPUs own their devices
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_env())
             if proc.returncode != 0:
                 why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -461,7 +461,8 @@ def _resources_arg(resources: dict[str, float]) -> list[str]:
 
 
 def _fit_host(stack: LocalStack) -> None:
-    print("fitting this machine's constants (disagg calibrate --live --host, about 30 s) ...", flush=True)
+    print("fitting this machine's constants once it is quiet (disagg calibrate --live --host, about 30 s) ...",
+          flush=True)
     t0 = time.monotonic()
     try:
         fitted = stack.fit_host()

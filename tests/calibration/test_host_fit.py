@@ -43,3 +43,15 @@ def test_the_host_cpu_clock_moves_with_work():
     t0 = host_cpu_s()
     sum(i * i for i in range(3_000_000))
     assert host_cpu_s() > t0
+
+
+def test_settling_waits_for_a_quiet_host_within_its_limit():
+    import asyncio
+
+    from calibration.host import settle
+
+    said: list[str] = []
+    quiet = asyncio.run(settle(5.0, quiet_cores=1e9, window_s=0.05, log=said.append))  # any host is quiet enough
+    assert quiet < 1.0 and said[-1].startswith("settled")
+    busy = asyncio.run(settle(0.2, quiet_cores=-1.0, window_s=0.05, log=said.append))  # never quiet: the limit ends it
+    assert 0.2 <= busy < 1.0 and "measuring anyway" in said[-1]
