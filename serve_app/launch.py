@@ -244,7 +244,9 @@ class LocalStack:
                 why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 raise RuntimeError(f"fitting the host failed ({why}); the router keeps the config's constants. "
                                    f"Retry: {' '.join(cmd[2:]).replace('disagg.cli', 'disagg', 1)}")
-            fitted.append((out, proc.stdout))
+            settled = [line.removeprefix("host: ") for line in proc.stderr.splitlines()
+                       if line.startswith(("host: settled", "host: still above"))]
+            fitted.append((out, "\n".join([*settled, proc.stdout])))
         return fitted
 
     def _ray_env(self) -> dict[str, str]:
@@ -470,7 +472,8 @@ def _fit_host(stack: LocalStack) -> None:
         print(f"disagg: warning: {e}", file=sys.stderr, flush=True)
         return
     for path, summary in fitted:
-        keep = [line for line in summary.splitlines() if line.startswith(("SLO ", "held-out", "shared host"))]
+        keep = [line for line in summary.splitlines()
+                if line.startswith(("settled", "still above", "SLO ", "held-out", "shared host"))]
         print("\n".join(keep), flush=True)
         print(f"the router prices with {path} (fitted in {time.monotonic() - t0:.0f} s); `disagg bench` judges "
               "goodput against it", flush=True)
