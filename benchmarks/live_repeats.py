@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, required=True)
     ap.add_argument("--max-requests", type=int, default=150)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--cost-model", default="cpu-tiny")
+    ap.add_argument("--cost-model", help="SLO targets (default: the constants the router prices with, checked "
+                                         "against its engines by the bench)")
     ap.add_argument("--tight-share", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--realtime", action="store_true")

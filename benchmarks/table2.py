@@ -39,8 +39,9 @@ RAYLM = "ray_serve_llm"
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "deployments" / "local.yaml"))
-    ap.add_argument("--cost-model", default="cpu-tiny",
-                    help="the router's constants and the SLO targets goodput is judged by (a calibrated file)")
+    ap.add_argument("--cost-model",
+                    help="the router's constants and the SLO targets goodput is judged by (a calibrated file; "
+                         "default: fitted on this machine once the stack is up, as `make run` does)")
     ap.add_argument("--policies", default="round_robin,least_loaded,length_heuristic,marginal_cost")
     ap.add_argument("--traces", default="azure_conv_2023,azure_code_2023",
                     help="trace names in $DISAGG_TRACE_DIR (or paths); a generated bursty mix is added")
@@ -76,7 +77,8 @@ def main(argv=None) -> int:
     except UsageError as e:
         log(f"error: {e}")
         return 2
-    load_profile(args.cost_model)
+    if args.cost_model is not None:
+        load_profile(args.cost_model)
     if ray_running():
         log("a Ray cluster is already running on 127.0.0.1:6379; stop it first")
         return 2
@@ -91,8 +93,12 @@ def main(argv=None) -> int:
     app = stack.apps[0][1]
     try:
         stack.start()
-        with AppClient(stack.base_url) as router:
-            log(f"router constants: {router.set_cost_model(args.cost_model)}")
+        if args.cost_model is None:
+            [(fitted, _)] = stack.fit_host()
+            log(f"router constants: fitted on this machine, {fitted}")
+        else:
+            with AppClient(stack.base_url) as router:
+                log(f"router constants: {router.set_cost_model(args.cost_model)}")
         # the same logical CPU reservation per engine as ours: three engines of 0.5 beside our app
         # do not fit on 2 CPUs, and Serve would wait for resources forever
         deploy_raylm(str(build_tiny_model()), args.start_timeout, prefill_replicas=app.prefill.num_replicas,

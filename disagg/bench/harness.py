@@ -344,7 +344,7 @@ async def saturation_search_async(goodput, own: float, iterations: int) -> dict:
 # --- input checks ------------------------------------------------------------------------------
 
 
-def check_config(cfg: BenchConfig) -> tuple[CostModel, list[TraceInput]]:
+def check_config(cfg: BenchConfig) -> tuple[CostModel | None, list[TraceInput]]:
     """Everything that can be checked without the network. Raises BenchError (or TraceError)."""
     if not cfg.live and not cfg.sim:
         raise BenchError("nothing to run: give --url (the live app) and/or --sim")
