@@ -284,6 +284,9 @@ class Dispatcher:
                                 self.ledger.queued(decision.decode_id), cached)
         self.ledger.admit(f.rid, decision.prefill_id, decision.decode_id, pw, dw, p)
         self.window.admitted(p, f.slo)
+        if decision.prefill_id == decision.decode_id and any(v.instance_id == decision.prefill_id
+                                                             for v in prefill_views):
+            self.window.placed_hosted()  # served whole by a prefill instance: not the decode pool's load
         f.work_s = (pw, dw)
         self.flights[f.rid] = f
         f.admitted = True

@@ -7,13 +7,16 @@ pool should have (`Plan`). The same code runs in the simulator and behind the li
 
 **Model first**, from the calibrated constants (as Dynamo's planner sizes pools from profiled
 TTFT and ITL), for the strictest SLO class present in the window:
-- prefill: the pool's work is rate × S seconds per second, S = `prefill_s(mean prompt)`. At
-  utilisation u an instance makes a prefill wait u·S / (2(1 − u)) on average (M/D/1), so the width
+- prefill: the pool's work is rate × S seconds per second, S = `prefill_s(mean prompt)` (plus its
+  hosted decodes, below). At utilisation u an instance makes a prefill wait u·S / (2(1 − u)) on average (M/D/1), so the width
   is the smallest n whose predicted TTFT, S + wait + transfer, is within `headroom` × the TTFT
   target. When S + transfer alone exceeds that (long prompts under a tight target), no width meets
   it: the width is then the smallest whose wait is within (1 − `headroom`) × S, the margin the
   headroom leaves, rather than every instance there is;
-- decode: n instances each emit rate × output / n tokens per second; a batch of b sequences emits
+- hosting: a share h of the arrivals served whole by prefill instances (`slo_goodput`'s hosting)
+  takes its output off the decode pool and adds rate × h × output × τ_seq to the prefill pool's
+  work (a hosted sequence's share of the steps the prefill instance runs anyway);
+- decode: n instances each emit rate × (1 − h) × output / n tokens per second; a batch of b sequences emits
   b / τ(b) with τ(b) = base + τ_seq·b, so the steady batch is b = x·base / (1 − x·τ_seq) for x
   tokens per second. The width is the smallest n whose batch steps within `headroom` × the TPOT
   target and whose KV (prompt + half the output per sequence) fits in `kv_limit` of an instance.
@@ -79,6 +82,7 @@ class Window:
     tpot_met: float = 1.0
     ttft_unfixable: int = 0  # of the finished, TTFT misses no width could fix (`ttft_floor_s`)
     kv_pressure: float = 0.0  # the highest KV pressure of a decode instance
+    hosted_arrivals: int = 0  # of `arrivals`, served whole by a prefill instance (its decode too)
 
     @property
     def rate(self) -> float:
@@ -110,11 +114,16 @@ class WindowCounter:
     ttft_met: int = 0
     tpot_met: int = 0
     ttft_unfixable: int = 0
+    hosted: int = 0
 
     def admitted(self, prompt_tokens: int, slo: SloClass) -> None:
         self.arrivals += 1
         self.prompt_tokens += prompt_tokens
         self.tight += slo is SloClass.TIGHT
+
+    def placed_hosted(self) -> None:
+        """An admitted request goes to a prefill instance whole: its decode is not the decode pool's."""
+        self.hosted += 1
 
     def served(self, output_tokens: int, ttft_s: float, tpot_s: float | None, target: SloTarget,
                ttft_floor_s: float = 0.0) -> None:
@@ -145,7 +154,7 @@ def merge_window(counts: list[dict[str, int]], seconds: float, kv_pressure: floa
                   ttft_met=total["ttft_met"] / done if done else 1.0,
                   tpot_met=total["tpot_met"] / done if done else 1.0,
                   ttft_unfixable=total["ttft_unfixable"],
-                  kv_pressure=kv_pressure)
+                  kv_pressure=kv_pressure, hosted_arrivals=total["hosted"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,9 +194,13 @@ class Planner:
         # the wait the TTFT budget leaves; a budget a lone prefill already misses would otherwise ask
         # for every instance at any load (module docstring)
         wait = max(budget - service, (1 - c.headroom) * service)
-        prefill = max(1, math.ceil(rate * service))  # below 1 per instance, or it never drains
+        # decodes hosted on prefill instances: their tokens leave the decode pool, and each adds its
+        # sequence's share of a step (τ_seq per token) to the prefill pool's work
+        hosted = min(1.0, w.hosted_arrivals / w.arrivals)
+        work = rate * service + rate * hosted * output * e.decode_seq_s  # prefill-pool seconds per second
+        prefill = max(1, math.ceil(work))  # below 1 per instance, or it never drains
         while prefill < c.max_prefill:
-            u = rate * service / prefill
+            u = work / prefill
             if u < 1 and service * u / (2 * (1 - u)) <= wait:
                 break
             prefill += 1
@@ -195,7 +208,7 @@ class Planner:
         decode = 1
         while decode < c.max_decode:
             # each instance emits rate·output/n tokens/s; a batch of b emits b/τ(b): solve for b
-            tokens = rate * output / decode
+            tokens = rate * (1.0 - hosted) * output / decode
             if tokens * e.decode_seq_s < 1:
                 batch = tokens * e.step_base_s / (1 - tokens * e.decode_seq_s)
                 if e.step_base_s + e.decode_seq_s * batch <= tpot and batch * (prompt + output / 2) <= room:

@@ -280,6 +280,10 @@ class Signals:
     def arrived(self, prompt_tokens: int, slo: SloClass) -> None:
         self.window.admitted(prompt_tokens, slo)
 
+    def hosted(self) -> None:
+        """The request just admitted is served whole by a prefill instance."""
+        self.window.placed_hosted()
+
     def served(self, record: RequestRecord, target: SloTarget, engine: EngineConstants) -> None:
         """A request finished; `target` is its SLO class's, `engine` the constants it ran with."""
         self.window.served(record.output_tokens, record.ttft_s, record.tpot_s, target,

@@ -606,6 +606,8 @@ class Simulator:
                 self.fleet.assign(f.prefill_id)
             # ongoing from the call: on the prefill pool, or on the pool of the instance serving a colocated request
             self.signals.ongoing(self.roles[f.decode_id] if f.prefill_id == f.decode_id else Role.PREFILL, 1, now)
+            if f.prefill_id == f.decode_id and self.roles[f.decode_id] is Role.PREFILL:
+                self.signals.hosted()
         # the call reaches its engine now (its poll was taken in _views, at this same time)
         colocated = f.prefill_id == f.decode_id
         if colocated:

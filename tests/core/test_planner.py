@@ -61,6 +61,22 @@ def test_the_decode_width_is_the_smallest_whose_steady_batch_meets_tpot_and_fits
     assert long > d and fits(long, 8000) and not fits(long - 1, 8000)
 
 
+def test_hosted_decodes_leave_the_decode_pool_and_load_the_prefill_pool():
+    p = Planner(CM, WIDE)
+    alone = p.model_widths(window(40))
+    half = p.model_widths(window(40, hosted_arrivals=200))  # half the arrivals served whole by prefill instances
+    assert half.decode < alone.decode
+    # the decode pool sized for half the tokens is the pool sized for half the rate
+    assert half.decode == p.model_widths(window(20)).decode
+    # each hosted token adds τ_seq to the prefill pool: a long-output load needs more prefill instances
+    heavy = dict(prompt=200, output=4000)
+    assert p.model_widths(window(40, hosted_arrivals=400, **heavy)).prefill > p.model_widths(window(40, **heavy)).prefill
+    c = WindowCounter()
+    c.admitted(100, SloClass.LOOSE)
+    c.placed_hosted()
+    assert merge_window([c.take()], 10.0, 0.0).hosted_arrivals == 1
+
+
 @pytest.mark.parametrize("signal, grows", [(dict(ttft_met=0.5), "prefill"), (dict(tpot_met=0.5), "decode"),
                                            (dict(kv_pressure=0.95), "decode")])
 def test_missed_targets_add_an_instance_to_the_pool_they_blame(signal, grows):
