@@ -44,7 +44,7 @@ QUIET_CORES = 0.4  # a host this busy with nothing served is still settling (`se
 
 @dataclass(frozen=True, slots=True)
 class HostPlan:
-    """How long each measurement runs: `full`, or `quick` (half of everything) for a fit at start-up."""
+    """How long each measurement runs: the defaults, or `quick()` (half of everything) for a fit at start-up."""
 
     contention_rounds: int = CONTENTION_ROUNDS
     contention_tokens: int = CONTENTION_TOKENS
