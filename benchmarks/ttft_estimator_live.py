@@ -4,6 +4,8 @@ Usage (from the repository root, with no other Ray cluster on the machine):
 
     .venv/bin/python benchmarks/ttft_estimator_live.py --rates 2 4 8 --requests 60 \
         --json runs/ttft_estimator_live.json
+    # with the constants of this host, shared cores included, fitted once the stack is up:
+    .venv/bin/python benchmarks/ttft_estimator_live.py --fit-host --rates 2 4 --json runs/ttft_estimator_host.json
     # against a multi-model app already up (its request log must be readable here):
     .venv/bin/python benchmarks/ttft_estimator_live.py --url http://127.0.0.1:8000 --log runs/multi-requests.jsonl
 
@@ -21,9 +23,10 @@ instance) next to three measurements of the same first token:
 - client: send → the first SSE event carrying a choice (adds the HTTP proxy and parsing).
 The estimator models the engine, so *engine* is its truth; *router* shows what the hop to the
 replica adds on top. *client* is compared with the estimate plus the model's serving overhead
-(`serving_overhead_s`: HTTP proxy, router, Serve hops), the cost model's constant when calibrated
-through the app (`disagg calibrate --url`), else measured here before the first rate: the median of
-client TTFT − engine first token over `--overhead-requests` lone requests, one at a time. The
+(`serving_overhead_s`: HTTP proxy, router, Serve hops), the constant of the cost model the router
+prices with when calibrated through the app (`disagg calibrate --url`, `--fit-host`), else measured
+here before the first rate: the median of client TTFT − engine first token over
+`--overhead-requests` lone requests, one at a time. The
 results carry the overhead used and its source. For each, the absolute percentage error |est − measured| / measured:
 its mean (MAPE), median and p10/p90 across requests, and the median signed error (bias).
 It also reports the share of queries whose measured TTFT met their limit, per rate and per model.
@@ -102,12 +105,15 @@ async def drive(url: str, rate: float, n: int, args, seed: int) -> list[dict]:
                                       timeout=plan[-1][0] + args.timeout + 30)
 
 
-def configured_overheads(config: str) -> dict[str, float]:
-    """Each served model's `serving_overhead_s` from its cost model (0: not calibrated through the app)."""
-    from serve_app.config import load_cost_model, load_serve_config
+def configured_overheads(url: str) -> dict[str, float]:
+    """Each served model's `serving_overhead_s` in the cost model its router prices with now (0: not
+    calibrated through the app)."""
+    from disagg.app_client import AppClient
+    from disagg.core.cost_model import CostModel
 
-    return {cfg.model.served_name: load_cost_model(cfg.router.cost_model).serving_overhead_s
-            for _, cfg in load_serve_config(config)}
+    with AppClient(url) as app:
+        models = app.state()["models"]
+    return {m: CostModel.from_dict(s["cost_model_constants"]).serving_overhead_s for m, s in models.items()}
 
 
 async def lone_requests(url: str, n: int, args, seed: int) -> list[dict]:
@@ -126,7 +132,7 @@ async def lone_requests(url: str, n: int, args, seed: int) -> list[dict]:
 
 def serving_overheads(url: str, log: Path, args) -> dict[str, dict]:
     """Per served model, the serving overhead added to client-side estimates, and where it came from."""
-    configured = configured_overheads(args.config)
+    configured = configured_overheads(url)
     measured = None
     if args.overhead_requests and not all(configured.values()):
         sent = asyncio.run(lone_requests(url, args.overhead_requests, args, seed=args.seed + 555))
@@ -231,6 +237,9 @@ def main(argv=None) -> int:
     ap.add_argument("--url", help="use a running multi-model app instead of starting one")
     ap.add_argument("--log", help="its request log (with --url)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--fit-host", action="store_true",
+                    help="fit the host's constants once the stack is up, as `make run` does (`disagg calibrate "
+                         "--live --quick --host --apply` per model), and estimate with them")
     ap.add_argument("--overhead-requests", type=int, default=8,
                     help="lone requests that measure the serving overhead when a cost model has none (0: none)")
     args = ap.parse_args(argv)
@@ -275,13 +284,21 @@ def main(argv=None) -> int:
     else:
         import tempfile
 
+        import yaml
+
         from serve_app.launch import LocalStack
 
         with tempfile.TemporaryDirectory() as run_dir:
             os.environ["DISAGG_RUN_DIR"] = run_dir
-            log_rel = __import__("yaml").safe_load(Path(args.config).read_text())["applications"][0]["args"]["router"]["request_log"]
+            log_rel = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"]["router"]["request_log"]
             with LocalStack(args.config, log=lambda m: print(f"[stack] {m}", flush=True)) as stack:
+                fitted = []
+                if args.fit_host:
+                    for path, summary in stack.fit_host():
+                        print(summary, flush=True)
+                        fitted.append(yaml.safe_load(path.read_text()))
                 results = run(stack.base_url, Path(run_dir) / log_rel)
+                results["fitted_cost_models"] = fitted
     print()
     print(markdown(results))
     print()

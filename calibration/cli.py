@@ -109,7 +109,7 @@ async def _measure_host(url: str, fleet, cm, seed: int, quick: bool):
     from disagg.app_client import AppError, AsyncAppClient
     from calibration.live import LiveCalibrationError, PROBE_TIMEOUT_S
 
-    async with AsyncAppClient(url, timeout_s=PROBE_TIMEOUT_S, max_connections=len(fleet.instances)) as app:
+    async with AsyncAppClient(url, timeout_s=PROBE_TIMEOUT_S, max_connections=len(fleet.engines or fleet.instances)) as app:
         async def post(body: dict) -> dict:
             try:
                 return await app.probe(body)
@@ -118,7 +118,7 @@ async def _measure_host(url: str, fleet, cm, seed: int, quick: bool):
 
         return await measure_host(url, fleet.model, fleet.instances, cm.engine, post,
                                   HostPlan.quick() if quick else HostPlan(), seed=seed,
-                                  log=lambda m: print(f"host: {m}", file=sys.stderr))
+                                  log=lambda m: print(f"host: {m}", file=sys.stderr), engines=fleet.engines)
 
 
 def _apply_cost_model(url: str, path: Path, model: str) -> None:

@@ -3,9 +3,9 @@ serving path takes beside them (`CostModel.shared_host`, the processor-sharing m
 
 `disagg calibrate --live --url URL --host --out FILE`, run on the machine the app runs on:
 1. **Contention.** Decode probes (`/admin/probe`, timed in the engine replicas) on 1, 2, … k of
-   the model's instances at once, every instance measured alone too. An instance's step time with
-   k busy over its time alone is the stretch at k; `engine_cores` is the least-squares fit of
-   `stretch = max(1, k / engine_cores)` (`fit_engine_cores`).
+   the app's engines at once (every model's: they all share the host), every engine measured alone
+   too. An engine's step time with k busy over its time alone is the stretch at k; `engine_cores`
+   is the least-squares fit of `stretch = max(1, k / engine_cores)` (`fit_engine_cores`).
 2. **Serving CPU.** The host's CPU time (/proc/stat, less this process's own) over three windows:
    idle, streams of long answers, and many short requests, all through the app. Each loaded
    window's CPU above the idle rate, less what the engines' steps of that load take by the fitted
@@ -22,7 +22,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -155,13 +155,10 @@ async def settle(limit_s: float, quiet_cores: float = QUIET_CORES, window_s: flo
             return waited
 
 
-async def measure_host(url: str, model: str, instances: dict[str, str], engine: EngineConstants,
-                       post: Callable[[dict], Awaitable[dict]], plan: HostPlan = HostPlan(), seed: int = 0,
-                       log: Callable[[str], None] = lambda m: None) -> tuple[SharedHost, dict]:
-    """The shared host's constants, measured through the app at `url` (see the module docstring);
-    `post(body)` is a `/admin/probe` call, `engine` the fitted pool constants. Returns the host and
-    a report of every measurement."""
-    ids = list(instances)
+async def measure_contention(engines: Sequence[str], post: Callable[[dict], Awaitable[dict]], plan: HostPlan,
+                             seed: int = 0) -> dict[int, float]:
+    """The stretch of the engines' decode steps at k = 1, 2, … len(`engines`) busy at once: the median
+    over rounds and engines of a step with k busy over the same engine's step alone in that round."""
     n = 0
 
     async def step_s(iid: str) -> float:
@@ -171,6 +168,7 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
                 "seed": seed * 1_000_003 + 500_000 + n}
         return float((await post(body))["seconds"])
 
+    ids = list(engines)
     alone = {iid: [] for iid in ids}
     together: dict[int, list[float]] = {k: [] for k in range(2, len(ids) + 1)}
     for _ in range(plan.contention_rounds):  # alone and together in every round: a slow spell lands on both
@@ -180,12 +178,24 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
             group = ids[:k]
             steps = await asyncio.gather(*(step_s(iid) for iid in group))
             together[k] += [s / alone[iid][-1] for iid, s in zip(group, steps)]  # paired within the round
-    stretch_at = {1: 1.0, **{k: statistics.median(v) for k, v in together.items()}}
+    return {1: 1.0, **{k: statistics.median(v) for k, v in together.items()}}
+
+
+async def measure_host(url: str, model: str, instances: dict[str, str], engine: EngineConstants,
+                       post: Callable[[dict], Awaitable[dict]], plan: HostPlan = HostPlan(), seed: int = 0,
+                       log: Callable[[str], None] = lambda m: None,
+                       engines: Sequence[str] = ()) -> tuple[SharedHost, dict]:
+    """The shared host's constants, measured through the app at `url` (see the module docstring);
+    `post(body)` is a `/admin/probe` call, `engine` the fitted pool constants of `model`, whose
+    `instances` the serving windows load; `engines`: every engine on the host, of any model (the
+    contention probes'; default: `instances`). Returns the host and a report of every measurement."""
+    ids = list(engines) or list(instances)
+    stretch_at = await measure_contention(ids, post, plan, seed)
     cores = float(os.cpu_count() or 1)
     engine_cores = fit_engine_cores(stretch_at, cores) if len(ids) > 1 else cores
     log(f"contention: stretch by busy engines {stretch_at} → engine_cores {engine_cores:g}")
 
-    decode = sum(role == "decode" for role in instances.values()) or len(ids)
+    decode = sum(role == "decode" for role in instances.values()) or len(instances)
     idle_cpu, idle_wall, _ = await _cpu_of(lambda: asyncio.sleep(plan.idle_s))
     idle_rate = idle_cpu / idle_wall
     windows, report_windows = [], []

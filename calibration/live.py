@@ -42,6 +42,8 @@ class Fleet:
     max_model_len: int
     max_num_seqs: int
     cost_model: CostModel  # the one the router prices with now: KV transfer and pairs are kept from it
+    # every engine of the app, of any model: on one host they all share its processors (`--host`)
+    engines: tuple[str, ...] = ()
 
     @classmethod
     def from_state(cls, state: dict, model: str | None) -> "Fleet":
@@ -61,7 +63,7 @@ class Fleet:
         if not instances:
             raise LiveCalibrationError(f"model {model!r} has no live instance to measure")
         return cls(model, m["source"], dict(sorted(instances.items())), int(m["max_model_len"]), int(m["max_num_seqs"]),
-                   CostModel.from_dict(m["cost_model_constants"]))
+                   CostModel.from_dict(m["cost_model_constants"]), tuple(sorted(state["instances"])))
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,3 +55,31 @@ def test_settling_waits_for_a_quiet_host_within_its_limit():
     assert quiet < 1.0 and said[-1].startswith("settled")
     busy = asyncio.run(settle(0.2, quiet_cores=-1.0, window_s=0.05, log=said.append))  # never quiet: the limit ends it
     assert 0.2 <= busy < 1.0 and "measuring anyway" in said[-1]
+
+
+def test_contention_probes_every_engine_of_the_host_and_recovers_its_cores():
+    """Two models' engines on one host (a multi-model app): each is probed alone and beside the
+    others, and the stretch the stand-in's processor sharing gives is what the fit recovers."""
+    import asyncio
+
+    from calibration.host import HostPlan, measure_contention
+
+    host = SharedHost(engine_cores=1.2, cores=2)
+    alone_s = {"tiny:colocated-1": 0.004, "small:colocated-2": 0.011}
+    busy: set[str] = set()
+    probed = []
+
+    async def post(body: dict) -> dict:
+        iid = body["instance"]
+        busy.add(iid)
+        probed.append(iid)
+        await asyncio.sleep(0)  # every probe of a group starts before any ends
+        stretch = host.stretch(len(busy))
+        await asyncio.sleep(0)
+        busy.discard(iid)
+        return {"seconds": alone_s[iid] * stretch}
+
+    stretch_at = asyncio.run(measure_contention(list(alone_s), post, HostPlan.quick()))
+    assert set(probed) == set(alone_s)
+    assert stretch_at == pytest.approx({1: 1.0, 2: host.stretch(2)})
+    assert fit_engine_cores(stretch_at, most=2.0) == pytest.approx(1.2, abs=0.011)

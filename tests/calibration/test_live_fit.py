@@ -75,6 +75,7 @@ def test_the_fleet_is_read_from_admin_state_and_ambiguity_is_an_error():
                                      "o:decode-3": {"model": "o", "role": "decode"}})
     f = Fleet.from_state(s, None)
     assert f.instances == {"decode-2": "decode", "prefill-1": "prefill"} and f.cost_model == BASE
+    assert f.engines == ("decode-2", "o:decode-3", "prefill-1")  # the host's engines: every model's
     with pytest.raises(LiveCalibrationError, match="serves 2 models"):
         Fleet.from_state(state({"m": model_state(), "o": model_state()}, {}), None)
     with pytest.raises(LiveCalibrationError, match="--model 'x'"):
