@@ -14,6 +14,9 @@ spread, whichever is wider; attainment within 0.05 or 1.5× its spread. Per (tra
 simulator must order the policies by attainment as live does, for every pair whose live medians
 differ by more than their spread. Every cell is reported, passing or not, with a figure of
 predicted against measured.
+
+`resimulate` runs the simulator alone, with other constants, against the live runs of an earlier
+validate: a calibration or a change of the model judged in seconds, without the app.
 """
 
 from __future__ import annotations
@@ -162,16 +165,16 @@ def ranking(rows: list[dict]) -> list[dict]:
     return out
 
 
-def summarize(runs: dict[tuple[int, float], Path], within: float) -> dict:
-    """The report from the finished bench folders (`runs[(repeat, rate)]`)."""
+def summarize(runs: dict[tuple[int, float], Path], within: float, sims: dict[float, Path] | None = None) -> dict:
+    """The report from the finished bench folders (`runs[(repeat, rate)]`); the simulator's records
+    are the first repeat's, or those of `sims[rate]` (`resimulate`)."""
     live: dict[tuple, list[dict]] = defaultdict(list)
     sim: dict[tuple, dict] = {}
     for (repeat, rate), path in sorted(runs.items()):
-        records = path / "requests.jsonl"
-        for (policy, trace), fig in cells(records, LIVE).items():
+        for (policy, trace), fig in cells(path / "requests.jsonl", LIVE).items():
             live[(policy, trace, rate)].append(fig)
-        if repeat == 0:
-            for (policy, trace), fig in cells(records, SIM).items():
+        if sims is None and repeat == 0 or sims is not None and rate in sims:
+            for (policy, trace), fig in cells((path if sims is None else sims[rate]) / "requests.jsonl", SIM).items():
                 sim[(policy, trace, rate)] = fig
     rows = []
     for key in sorted(live, key=lambda k: (k[2], k[1], k[0])):
@@ -184,7 +187,9 @@ def summarize(runs: dict[tuple[int, float], Path], within: float) -> dict:
     return {"within": within, "noise_factor": NOISE_FACTOR, "attainment_within": ATTAINMENT_WITHIN, "rows": rows,
             "ranking": order, "summary": {"latency_cells": len(latency), "latency_passed": sum(latency),
                                           "attainment_cells": len(attain), "attainment_passed": sum(attain),
-                                          "rankings": len(order), "rankings_agree": sum(o["agrees"] for o in order)}}
+                                          "rankings": len(order), "rankings_agree": sum(o["agrees"] for o in order),
+                                          "pairs": sum(o["separated_pairs"] for o in order),
+                                          "pairs_agree": sum(o["agreeing_pairs"] for o in order)}}
 
 
 def markdown(report: dict) -> str:
@@ -207,7 +212,8 @@ def markdown(report: dict) -> str:
     lines += ["", f"Latency cells within {report['within']:.0%} (or {report['noise_factor']:g}× the live spread): "
               f"{s['latency_passed']} of {s['latency_cells']}. Attainment within {report['attainment_within']} "
               f"(or {report['noise_factor']:g}× its spread): {s['attainment_passed']} of {s['attainment_cells']}. "
-              f"Policy order as live: {s['rankings_agree']} of {s['rankings']}.", "",
+              f"Policy order as live: {s['rankings_agree']} of {s['rankings']} (trace, rate) groups, "
+              f"{s['pairs_agree']} of the {s['pairs']} pairs live separates beyond its spread.", "",
               "| rate | trace | live order | simulated order | separated pairs agreeing |", "|---|---|---|---|---|"]
     for o in report["ranking"]:
         lines.append(f"| {o['rate']:g} | {o['trace']} | {o['live_order']} | {o['sim_order']} "
@@ -281,8 +287,47 @@ def run_validate(cfg: ValidateConfig, log: Callable[[str], None], progress=None)
     report["settings"] = {"url": cfg.url, "traces": list(cfg.traces), "policies": list(cfg.policies),
                           "rates": list(cfg.rates), "repeats": cfg.repeats, "max_requests": cfg.max_requests,
                           "seed": cfg.seed, "cost_model": cfg.cost_model or "app"}
+    return _write(report, cfg.out)
+
+
+def _write(report: dict, out: Path) -> dict:
     report = json_safe(report)
-    write_json_atomic(cfg.out / RESULTS_JSON, report)
-    write_text_atomic(cfg.out / RESULTS_MD, markdown(report))
-    plot(report, cfg.out / FIGURE)
+    write_json_atomic(out / RESULTS_JSON, report)
+    write_text_atomic(out / RESULTS_MD, markdown(report))
+    plot(report, out / FIGURE)
     return report
+
+
+def resimulate(measured: Path, cost_model: str, out: Path, log: Callable[[str], None]) -> dict:
+    """The simulator alone, with other constants, against the live runs of an earlier `disagg
+    validate` in `measured`: the same slices at the same rates and topology, judged against the
+    SLO targets the live runs were judged with (so attainment compares like with like; the file's
+    own targets are replaced). Compares calibrations, or a changed model, in seconds without the app."""
+    from disagg.core.cost_model import CostModel, SloTarget, load_profile
+
+    try:
+        earlier = json.loads((measured / RESULTS_JSON).read_text())
+        settings, within = earlier["settings"], earlier["within"]
+    except (OSError, ValueError, KeyError) as e:
+        raise BenchError(f"--resimulate {measured}: not the folder of a finished `disagg validate` ({e})") from None
+    cm = load_profile(cost_model)  # CostModelError names the file and field
+    runs = {(repeat, rate): folder(measured, repeat, rate)
+            for repeat in range(settings["repeats"]) for rate in settings["rates"]}
+    sims = {}
+    for rate in settings["rates"]:
+        live = json.loads((folder(measured, 0, rate) / "results.json").read_text())
+        targets = {c: SloTarget(**t) for c, t in live["cost_model"]["slo"].items()}
+        judged = CostModel.from_dict({**cm.to_dict(), "slo": {c: t.model_dump() for c, t in targets.items()}})
+        path = out / f"rate-{rate:g}"
+        path.mkdir(parents=True, exist_ok=True)
+        constants = path / "cost_model.yaml"
+        judged.save(constants)
+        log(f"{rate:g} req/s: the simulator with {cost_model} on {live['resolved']['topology']} → {path}")
+        run_bench(BenchConfig(out=path, traces=tuple(settings["traces"]), policies=tuple(settings["policies"]),
+                              rate=rate, max_requests=settings["max_requests"], seed=settings["seed"], sim=True,
+                              cost_model=str(constants), topology=live["resolved"]["topology"],
+                              max_model_len=live["resolved"]["max_model_len"]), log=log)
+        sims[rate] = path
+    report = summarize(runs, within, sims)
+    report["settings"] = {**settings, "cost_model": cost_model, "measured": str(measured)}
+    return _write(report, out)

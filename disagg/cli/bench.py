@@ -126,11 +126,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     val = sub.add_parser("validate", help="the simulator against the live app on the same trace slices: predicted "
                                           "vs measured TTFT/TPOT p50/p90 and attainment, with the live noise floor")
-    val.add_argument("--url", required=True, help="the app, e.g. http://127.0.0.1:8000")
-    val.add_argument("--trace", action="append", required=True,
+    val.add_argument("--url", help="the app, e.g. http://127.0.0.1:8000")
+    val.add_argument("--resimulate", metavar="DIR",
+                     help="no app: the simulator alone with --cost-model against the live runs of an earlier "
+                          "`disagg validate --out DIR` (same slices, rates, topology and SLO targets)")
+    val.add_argument("--trace", action="append", default=[],
                      help="trace file or name (repeatable, or comma-separated)")
     val.add_argument("--policies", default="round_robin,marginal_cost", help="comma-separated policies")
-    val.add_argument("--rates", required=True, help="comma-separated rates in req/s, e.g. light,near,past capacity")
+    val.add_argument("--rates", help="comma-separated rates in req/s, e.g. light,near,past capacity")
     val.add_argument("--repeats", type=int, default=2, help="live runs per rate; 2 or more give the noise floor")
     val.add_argument("--max-requests", type=int, default=120, help="requests of each trace slice")
     val.add_argument("--cost-model", help="the simulator's constants and the SLO targets (default: the router's "
@@ -145,8 +148,26 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 def cmd_validate(args) -> int:
     """`disagg validate` (disagg/bench/validate.py)."""
     from disagg.bench.harness import BenchError, GateFailed
-    from disagg.bench.validate import FIGURE, RESULTS_JSON, RESULTS_MD, ValidateConfig, markdown, run_validate
+    from disagg.bench.validate import (
+        FIGURE, RESULTS_JSON, RESULTS_MD, ValidateConfig, markdown, resimulate, run_validate,
+    )
 
+    if args.resimulate:
+        if args.url or args.trace or args.rates:
+            raise UsageError("--resimulate takes the traces, rates and live runs of the earlier validate: "
+                             "drop --url, --trace and --rates")
+        if not args.cost_model:
+            raise UsageError("--resimulate needs --cost-model: the constants to simulate with")
+        try:
+            report = resimulate(Path(args.resimulate), args.cost_model, Path(args.out),
+                                log=lambda m: print(m, file=sys.stderr, flush=True))
+        except BenchError as e:
+            raise UsageError(str(e)) from None
+        print(markdown(report), end="")
+        print(f"\nwrote {args.out}/{RESULTS_JSON}, {RESULTS_MD}, {FIGURE}")
+        return 0
+    if not (args.url and args.trace and args.rates):
+        raise UsageError("validate needs --url, --trace and --rates (or --resimulate DIR --cost-model FILE)")
     try:
         rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
     except ValueError:

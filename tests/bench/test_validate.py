@@ -84,6 +84,7 @@ def test_the_report_has_every_cell_the_noise_floor_and_the_figure(tmp_path):
     assert not report["rows"][1]["passed"]["attainment"]  # live 0.5, predicted 1.0
     s = report["summary"]
     assert (s["latency_cells"], s["attainment_cells"], s["rankings"]) == (16, 4, 2)
+    assert (s["pairs"], s["pairs_agree"]) == (1, 0)  # at 1 req/s live separates them; the simulator ties them
     md = markdown(report)
     assert md.count("| conv |") == 4 + 2 and "✗" in md and f"{s['latency_passed']} of 16" in md
     plot(report, tmp_path / FIGURE)
@@ -97,3 +98,42 @@ def test_bad_settings_are_refused_before_anything_runs(tmp_path, change, message
     base = dict(url="http://127.0.0.1:9", out=tmp_path, traces=("t",), policies=("round_robin",), rates=(1.0,))
     with pytest.raises(BenchError, match=message):
         check(ValidateConfig(**{**base, **change}))
+
+
+def test_resimulate_judges_other_constants_against_the_same_live_runs_and_targets(tmp_path):
+    """`disagg validate --resimulate`: the simulator alone, on the earlier run's slices, rates and
+    topology, with the live runs' SLO targets; a slower engine predicts higher latencies."""
+    import yaml
+
+    from disagg.bench.validate import RESULTS_JSON, resimulate
+    from disagg.core.cost_model import load_profile
+
+    trace = tmp_path / "chat.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n" +
+                     "".join(f"{i * 0.5},{200 + 30 * i},{20 + i}\n" for i in range(12)))
+    measured = tmp_path / "measured"
+    live = {("round_robin", "chat"): [(0.05, 0.004, True)] * 12}
+    slo = {"tight": {"ttft_s": 0.03, "tpot_s": 0.002}, "loose": {"ttft_s": 0.09, "tpot_s": 0.006}}
+    for rep in range(2):
+        for rate in (1.0, 2.0):
+            path = write_folder(folder(measured, rep, rate), live, None)
+            (path / "results.json").write_text(json.dumps(
+                {"resolved": {"topology": "1P2D", "max_model_len": 2048}, "cost_model": {"slo": slo}}))
+    (measured / RESULTS_JSON).write_text(json.dumps(
+        {"within": 0.15, "settings": {"traces": [str(trace)], "policies": ["round_robin"], "rates": [1.0, 2.0],
+                                      "repeats": 2, "max_requests": 12, "seed": 0}}))
+    fast = load_profile("cpu-tiny")
+    slow = fast.model_copy(update={"engine": fast.engine.model_copy(update={"step_base_s": 10 * fast.engine.step_base_s})})
+    (tmp_path / "slow.yaml").write_text(yaml.safe_dump(slow.to_dict()))
+
+    reports = {name: resimulate(measured, src, tmp_path / name, log=lambda m: None)
+               for name, src in (("fast", "cpu-tiny"), ("slow", str(tmp_path / "slow.yaml")))}
+    for name, report in reports.items():
+        assert [(r["rate"], r["repeats"]) for r in report["rows"]] == [(1.0, 2), (2.0, 2)]
+        assert all(r["live"]["ttft_p50_s"] == pytest.approx(0.05) for r in report["rows"])
+        used = yaml.safe_load((tmp_path / name / "rate-1" / "cost_model.yaml").read_text())
+        assert used["slo"] == slo  # judged as the live runs were, whatever the file's own targets
+    assert all(s["sim"]["tpot_p50_s"] > 5 * f["sim"]["tpot_p50_s"]
+               for f, s in zip(reports["fast"]["rows"], reports["slow"]["rows"]))
+    with pytest.raises(BenchError, match="not the folder of a finished"):
+        resimulate(tmp_path / "chat.csv", "cpu-tiny", tmp_path / "x", log=lambda m: None)
