@@ -30,7 +30,7 @@ def cmd_calibrate_live(args) -> int:
     import statistics
     from datetime import datetime, timezone
 
-    from calibration.fit import CalibrationError, fit_fleet, serving_overhead
+    from calibration.fit import CalibrationError, fit_fleet, serving_overhead, transfer_latency
     from calibration.live import LiveCalibrationError, calibrate_fleet
     from calibration.measure import SERVING_PROBE_TOKENS, serving_path_gaps
 
@@ -61,9 +61,14 @@ def cmd_calibrate_live(args) -> int:
             url, args.model, args.quick, args.pause_s, args.budget_s, args.seed,
             lambda total: Progress(total, "calibrating the fleet")))
         gaps = asyncio.run(serving_path_gaps(url, SERVING_PROBE_TOKENS, args.url_requests, seed=args.seed))
-        overhead = serving_overhead([g for _, g in gaps])
-        cm, fits = fit_fleet(samples, fleet.cost_model, args.name or f"live-{fleet.model}", fleet.source,
-                             overhead, measured_at)
+        overhead = serving_overhead([g.outside_s for g in gaps])
+        name = args.name or f"live-{fleet.model}"
+        cm, fits = fit_fleet(samples, fleet.cost_model, name, fleet.source, overhead, measured_at)
+        latency = transfer_latency(gaps, cm)
+        if latency is not None:  # the KV transfer as measured here; the SLO targets follow it
+            base = fleet.cost_model.model_copy(update={"transfer": cm.transfer.model_copy(
+                update={"latency_s": round(latency, 6)})})
+            cm, fits = fit_fleet(samples, base, name, fleet.source, overhead, measured_at)
         host_report = None
         if args.host:
             host, host_report = asyncio.run(_measure_host(url, fleet, cm, args.seed, args.quick))
@@ -85,8 +90,11 @@ def cmd_calibrate_live(args) -> int:
     t, l = cm.slo[SloClass.TIGHT], cm.slo[SloClass.LOOSE]
     print(f"\nserving path: {overhead * 1e3:.1f} ms outside the engines (median of {len(gaps)} lone requests)")
     print(f"SLO tight TTFT {t.ttft_s * 1e3:.0f} ms / TPOT {t.tpot_s * 1e3:.1f} ms; "
-          f"loose TTFT {l.ttft_s * 1e3:.0f} ms / TPOT {l.tpot_s * 1e3:.1f} ms; KV transfer kept from "
-          f"{fleet.cost_model.name!r}")
+          f"loose TTFT {l.ttft_s * 1e3:.0f} ms / TPOT {l.tpot_s * 1e3:.1f} ms")
+    kept = f"kept from {fleet.cost_model.name!r}"
+    print(f"KV transfer: {cm.transfer.latency_s * 1e3:.1f} ms fixed cost "
+          + (f"(measured: median of {len(gaps)} lone requests), bandwidth {kept}" if latency is not None
+             else f"and bandwidth {kept} (no request crossed from a prefill engine)"))
     print(f"held-out median relative error, median over {len(fits)} instances: {held:.1%}")
     if cm.shared_host is not None:
         h = cm.shared_host
@@ -109,7 +117,8 @@ async def _measure_host(url: str, fleet, cm, seed: int, quick: bool):
     from disagg.app_client import AppError, AsyncAppClient
     from calibration.live import LiveCalibrationError, PROBE_TIMEOUT_S
 
-    async with AsyncAppClient(url, timeout_s=PROBE_TIMEOUT_S, max_connections=len(fleet.engines or fleet.instances)) as app:
+    peers = len(fleet.engines or fleet.instances)
+    async with AsyncAppClient(url, timeout_s=PROBE_TIMEOUT_S, max_connections=peers) as app:
         async def post(body: dict) -> dict:
             try:
                 return await app.probe(body)
@@ -191,8 +200,8 @@ def cmd_calibrate_engines(args) -> int:
         if args.url:
             gaps = asyncio.run(serving_path_gaps(args.url.rstrip("/"), SERVING_PROBE_TOKENS, args.url_requests,
                                                  seed=args.seed))
-            ttfts = [t for t, _ in gaps]
-            overhead = serving_overhead([g for _, g in gaps])
+            ttfts = [g.ttft_s for g in gaps]
+            overhead = serving_overhead([g.outside_s for g in gaps])
             cm, report = fit_cost_model(result.measurements, name=name, serving_overhead_s=overhead)
             print(f"serving path ({args.url}): median client TTFT {statistics.median(ttfts) * 1e3:.1f} ms over "
                   f"{len(ttfts)} lone {SERVING_PROBE_TOKENS}-token requests, of which outside the engines "

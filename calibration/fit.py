@@ -324,6 +324,17 @@ def serving_overhead(outside_engines_s: list[float]) -> float:
     return max(float(np.median(outside_engines_s)), 0.0)
 
 
+def transfer_latency(lone: list, cm: CostModel) -> float | None:
+    """The KV transfer's fixed cost on the running app, from lone disaggregated requests
+    (`measure.LoneRequest`): the decode engine's own time to its first token, less the step that
+    makes it (one sequence, by the constants of the instance that decoded it) and the prompt's
+    transfer at `cm`'s bandwidth; the median, ≥ 0. Probes move no KV, so this is the only live
+    measure of it. None when no request went through a prefill engine (a colocated app)."""
+    rest = [r.decode_first_s - cm.for_instance(r.decode_id).step_s(0, 1) - r.prompt_tokens / cm.transfer.tokens_per_s
+            for r in lone if r.disaggregated]
+    return max(float(np.median(rest)), 0.0) if rest else None
+
+
 def held_out_error(engine: EngineConstants, prefill: list[Sample], decode: list[Sample]) -> dict:
     """Predicted vs measured on samples the fit did not see: median and p90 relative error."""
     rel = [abs(engine.prefill_s(int(s.x)) - s.seconds) / s.seconds for s in prefill]

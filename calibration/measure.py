@@ -24,7 +24,7 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from calibration.fit import Measurements, Sample
 from disagg.core.types import Role
@@ -203,18 +203,28 @@ class Calibrator:
             "max_tokens": tokens, "ignore_eos": True, **GREEDY}, None), batch)
 
 
+class LoneRequest(NamedTuple):
+    """One lone request through the app, timed by the client and by the engines (route header)."""
+
+    ttft_s: float  # the client's
+    outside_s: float  # the part of it outside the engines: proxy, router, Serve hops
+    decode_first_s: float  # the decode engine's own time from its call to the first token
+    decode_id: str | None  # the instance that decoded it
+    disaggregated: bool  # a prefill engine ran it first: the decode engine's time includes the KV pull
+    prompt_tokens: int
+
+
 async def serving_path_gaps(url: str, prompt_tokens: int, n: int, seed: int = 0,
-                            timeout_s: float = 60.0) -> list[tuple[float, float]]:
-    """(client TTFT, the part of it outside the engines) of `n` lone streaming requests through a
-    running app: one at a time, random token ids so no prefix-cache hits, one unmeasured first.
-    The engines' own part is what they report in the `x-disagg-route` header (the prefill's time
-    and the decode engine's time to its first token), so the gap is measured, not modelled: the
-    HTTP proxy, the router and the Serve hops. Sent and timed by the bench's client, as every live
-    figure is."""
+                            timeout_s: float = 60.0) -> list[LoneRequest]:
+    """`n` lone streaming requests through a running app: one at a time, random token ids so no
+    prefix-cache hits, one unmeasured first. The engines' own part is what they report in the
+    `x-disagg-route` header (the prefill's time and the decode engine's time to its first token), so
+    the gap is measured, not modelled: the HTTP proxy, the router and the Serve hops. Sent and timed
+    by the bench's client, as every live figure is."""
     from disagg.app_client import AppError, AsyncAppClient
     from disagg.bench.loadgen import PlannedRequest, prompt_seed, send_one
 
-    out: list[tuple[float, float]] = []
+    out: list[LoneRequest] = []
     async with AsyncAppClient(url, timeout_s=timeout_s, max_connections=1) as app:
         try:
             model = (await app.model())["id"]
@@ -227,10 +237,12 @@ async def serving_path_gaps(url: str, prompt_tokens: int, n: int, seed: int = 0,
             if r.error or r.ttft_s is None:
                 raise RuntimeError(f"{url}/v1/completions: {r.error or 'a streamed completion carried no token'}")
             try:
-                engines = float(r.route.get("prefill_engine_s", 0.0)) + float(r.route["decode_engine_first_s"])
+                prefill = float(r.route.get("prefill_engine_s", 0.0))
+                decode_first = float(r.route["decode_engine_first_s"])
             except (KeyError, ValueError):
                 raise RuntimeError(f"{url}: the x-disagg-route header carries no engine times "
                                    f"({r.route or 'no header'}): not this product's router, or an older one") from None
             if i:  # the first one wakes an idle path up
-                out.append((r.ttft_s, r.ttft_s - engines))
+                out.append(LoneRequest(r.ttft_s, r.ttft_s - prefill - decode_first, decode_first,
+                                       r.route.get("served_decode"), "prefill_engine_s" in r.route, prompt_tokens))
     return out

@@ -92,8 +92,10 @@ def test_the_running_fleet_is_calibrated_per_instance_and_the_router_prices_with
         assert timedelta(0) <= age < timedelta(minutes=10)
         for c in cm.instances.values():
             assert 0 < c.prefill_token_s < 1e-3 and 0 < c.step_base_s < 0.1 and c.kv_capacity_tokens > 10_000
-        assert cm.calibrated and cm.model == info["source"] and cm.transfer.model_dump() == \
-            info["cost_model_constants"]["transfer"]  # probes move no KV: the transfer is kept
+        assert cm.calibrated and cm.model == info["source"]
+        # probes move no KV: the bandwidth is kept; the fixed cost comes from the lone requests' route headers
+        assert cm.transfer.tokens_per_s == info["cost_model_constants"]["transfer"]["tokens_per_s"]
+        assert 0 < cm.transfer.latency_s < 0.2 and "fixed cost (measured: median of 4 lone requests)" in proc.stdout
         assert "applied" in proc.stdout and "held-out" in proc.stdout
         # the shared host: every engine of the CPU profile runs on one core, beside the serving path
         host = cm.shared_host
