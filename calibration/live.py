@@ -41,7 +41,7 @@ class Fleet:
     instances: dict[str, str]  # instance id → role
     max_model_len: int
     max_num_seqs: int
-    cost_model: CostModel  # the one the router prices with now: KV transfer and pairs are kept from it
+    cost_model: CostModel  # the one the router prices with now: the KV bandwidth and pairs are kept from it
     # every engine of the app, of any model: on one host they all share its processors (`--host`)
     engines: tuple[str, ...] = ()
 

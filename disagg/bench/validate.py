@@ -303,7 +303,7 @@ def resimulate(measured: Path, cost_model: str, out: Path, log: Callable[[str], 
     validate` in `measured`: the same slices at the same rates and topology, judged against the
     SLO targets the live runs were judged with (so attainment compares like with like; the file's
     own targets are replaced). Compares calibrations, or a changed model, in seconds without the app."""
-    from disagg.core.cost_model import CostModel, SloTarget, load_profile
+    from disagg.core.cost_model import CostModel, load_profile
 
     try:
         earlier = json.loads((measured / RESULTS_JSON).read_text())
@@ -315,18 +315,22 @@ def resimulate(measured: Path, cost_model: str, out: Path, log: Callable[[str], 
             for repeat in range(settings["repeats"]) for rate in settings["rates"]}
     sims = {}
     for rate in settings["rates"]:
-        live = json.loads((folder(measured, 0, rate) / "results.json").read_text())
-        targets = {c: SloTarget(**t) for c, t in live["cost_model"]["slo"].items()}
-        judged = CostModel.from_dict({**cm.to_dict(), "slo": {c: t.model_dump() for c, t in targets.items()}})
+        results = folder(measured, 0, rate) / "results.json"
+        try:
+            live = json.loads(results.read_text())
+            slo, resolved = live["cost_model"]["slo"], live["resolved"]
+            topology, context = resolved["topology"], resolved["max_model_len"]
+        except (OSError, ValueError, KeyError) as e:
+            raise BenchError(f"--resimulate: {results} is not a finished live bench run ({e})") from None
+        judged = CostModel.from_dict({**cm.to_dict(), "slo": slo})
         path = out / f"rate-{rate:g}"
         path.mkdir(parents=True, exist_ok=True)
         constants = path / "cost_model.yaml"
         judged.save(constants)
-        log(f"{rate:g} req/s: the simulator with {cost_model} on {live['resolved']['topology']} → {path}")
+        log(f"{rate:g} req/s: the simulator with {cost_model} on {topology} → {path}")
         run_bench(BenchConfig(out=path, traces=tuple(settings["traces"]), policies=tuple(settings["policies"]),
                               rate=rate, max_requests=settings["max_requests"], seed=settings["seed"], sim=True,
-                              cost_model=str(constants), topology=live["resolved"]["topology"],
-                              max_model_len=live["resolved"]["max_model_len"]), log=log)
+                              cost_model=str(constants), topology=topology, max_model_len=context), log=log)
         sims[rate] = path
     report = summarize(runs, within, sims)
     report["settings"] = {**settings, "cost_model": cost_model, "measured": str(measured)}
