@@ -168,14 +168,14 @@ def ranking(rows: list[dict]) -> list[dict]:
 def summarize(runs: dict[tuple[int, float], Path], within: float, sims: dict[float, Path] | None = None) -> dict:
     """The report from the finished bench folders (`runs[(repeat, rate)]`); the simulator's records
     are the first repeat's, or those of `sims[rate]` (`resimulate`)."""
+    if sims is None:
+        sims = {rate: path for (repeat, rate), path in runs.items() if repeat == 0}
     live: dict[tuple, list[dict]] = defaultdict(list)
-    sim: dict[tuple, dict] = {}
-    for (repeat, rate), path in sorted(runs.items()):
+    for (_, rate), path in sorted(runs.items()):
         for (policy, trace), fig in cells(path / "requests.jsonl", LIVE).items():
             live[(policy, trace, rate)].append(fig)
-        if sims is None and repeat == 0 or sims is not None and rate in sims:
-            for (policy, trace), fig in cells((path if sims is None else sims[rate]) / "requests.jsonl", SIM).items():
-                sim[(policy, trace, rate)] = fig
+    sim = {(policy, trace, rate): fig for rate, path in sims.items()
+           for (policy, trace), fig in cells(path / "requests.jsonl", SIM).items()}
     rows = []
     for key in sorted(live, key=lambda k: (k[2], k[1], k[0])):
         policy, trace, rate = key

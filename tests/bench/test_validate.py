@@ -123,7 +123,8 @@ def test_resimulate_judges_other_constants_against_the_same_live_runs_and_target
         {"within": 0.15, "settings": {"traces": [str(trace)], "policies": ["round_robin"], "rates": [1.0, 2.0],
                                       "repeats": 2, "max_requests": 12, "seed": 0}}))
     fast = load_profile("cpu-tiny")
-    slow = fast.model_copy(update={"engine": fast.engine.model_copy(update={"step_base_s": 10 * fast.engine.step_base_s})})
+    slower = fast.engine.model_copy(update={"step_base_s": 10 * fast.engine.step_base_s})
+    slow = fast.model_copy(update={"engine": slower})
     (tmp_path / "slow.yaml").write_text(yaml.safe_dump(slow.to_dict()))
 
     reports = {name: resimulate(measured, src, tmp_path / name, log=lambda m: None)
