@@ -101,6 +101,7 @@ from disagg.sim.runner import capacity_steps, saturation_search, saturation_step
 from disagg.sim.traces import TraceRequest, assign_slo_classes, read_trace, rescale_to_rate, slice_trace
 
 SETTINGS_FILE = "settings.json"
+COST_MODEL_FILE = "cost_model.yaml"  # the constants the run judged (and simulated) with, whole: results.json names them
 RECORDS_FILE = "requests.jsonl"
 GATES_FILE = "gates.json"
 SETTINGS_VERSION = 1
@@ -695,6 +696,9 @@ class Bench:
     # settings.json ------------------------------------------------------------------------------
 
     def _save_settings(self) -> None:
+        constants = self.cfg.out / COST_MODEL_FILE
+        if self.cm is not None and not constants.exists():  # a resumed run has the same (`cost_model_key`)
+            self.cm.save(constants)
         write_json_atomic(self.cfg.out / SETTINGS_FILE, json_safe({
             "settings": self.settings, "resolved": self.resolved,
             "info": {"url": self.cfg.url, "traces": {t.name: str(t.path) for t in self.traces},

@@ -18,7 +18,7 @@ from disagg.bench.harness import (
     BenchConfig, BenchError, GateFailed, RecordStore, fit_to_context, plan_slice, run_bench, saturation_search,
 )
 from disagg.cli import main as cli_main
-from disagg.core.cost_model import load_profile
+from disagg.core.cost_model import CostModel, load_profile
 from disagg.sim.runner import find_saturation, rr_goodput
 from disagg.sim.simulator import Topology
 from disagg.sim.traces import TraceRequest, write_native
@@ -259,8 +259,10 @@ def test_sim_mode_writes_results_json_markdown_and_plots(tmp_path):
     code = cli_main(["bench", "--sim", "--trace", f"{a},{b}", "--policies", "round_robin,marginal_cost,oracle",
                      "--rate", "12", "--max-model-len", "2048", "--topology", "1P2D", "--out", str(out)])
     assert code == 0
-    for name in ("settings.json", "requests.jsonl", "results.json", "results.md", "goodput.png", "ttft_cdf.png"):
+    for name in ("settings.json", "cost_model.yaml", "requests.jsonl", "results.json", "results.md", "goodput.png",
+                 "ttft_cdf.png"):
         assert (out / name).stat().st_size > 0, name
+    assert CostModel.load(out / "cost_model.yaml") == load_profile("cpu-tiny")  # what it judged with, whole
     for png in ("goodput.png", "ttft_cdf.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(out.glob(".*"))  # no temporary files left behind
