@@ -12,7 +12,11 @@ Usage:
 `--bench`: per (policy, trace), the median of the prefill engine's own time (`prefill_engine_s`:
 from the call to its first token, queue included) over the model's prefill of the prompt, those
 two in ms, the decode engine's time to its first token (`decode_engine_first_s`: the KV pull and
-the step that makes it), and the client TTFT less both. `--url`: for each length, `--repeats` lone
+the step that makes it), and the client TTFT less both; and where the route header has them, the
+router's own split: its handler reading and rendering the request (`intake_s`), from routing to the
+first token at the router (`router_first_s`, both engines' times inside), and the client TTFT less
+both — the time spent outside the router's handler (HTTP proxy, waiting for the router's event loop
+to take the request and to relay its first token). `--url`: for each length, `--repeats` lone
 completions of random token ids (no prefix-cache hits) with their prefill and decode engine times,
 and a prefill probe of the same length on the prefill instance (`/admin/probe`), all in ms.
 """
@@ -54,6 +58,14 @@ def from_bench(folder: Path, cost_model: str) -> list[dict]:
                      "decode_first_ms_p50": 1e3 * statistics.median(decode),
                      "outside_engines_ms_p50": 1e3 * statistics.median(
                          r["ttft_s"] - p - d for r, p, d in zip(recs, prefill, decode))})
+        timed = [r for r in recs if "intake_s" in r["route"]]  # routers before the field have no split
+        if timed:
+            intake = [float(r["route"]["intake_s"]) for r in timed]
+            first = [float(r["route"]["router_first_s"]) for r in timed]
+            rows[-1].update({"router_intake_ms_p50": 1e3 * statistics.median(intake),
+                             "router_first_ms_p50": 1e3 * statistics.median(first),
+                             "outside_handler_ms_p50": 1e3 * statistics.median(
+                                 r["ttft_s"] - i - f for r, i, f in zip(timed, intake, first))})
     return rows
 
 

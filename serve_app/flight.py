@@ -47,7 +47,8 @@ class Flight:
     alias_us: float | None = None
     admitted: bool = False  # in the ledger
     work_s: tuple[float, float] = (0.0, 0.0)  # the prefill and decode work the ledger admitted it with
-    t_arrival: float | None = None
+    t_received: float | None = None  # the router's handler got the request (body unread) ...
+    t_arrival: float | None = None  # ... and, parsed and rendered by vLLM's layer, it is routed
     t_first: float | None = None
     actual_prefill: str | None = None  # the instances that served it (the decision may have failed over)
     actual_decode: str | None = None
@@ -86,14 +87,28 @@ class Flight:
         """Output tokens relayed so far, every sample's."""
         return len(self.output_ids) + self.other_samples_tokens
 
+    @property
+    def intake_s(self) -> float | None:
+        """From the router's handler getting the request to routing it (body read, vLLM's rendering)."""
+        return self.t_arrival - self.t_received if self.t_arrival and self.t_received else None
+
+    @property
+    def router_first_s(self) -> float | None:
+        """From routing to the first token at the router."""
+        return self.t_first - self.t_arrival if self.t_first and self.t_arrival else None
+
     def route_header(self) -> str:
         """The `x-disagg-route` header: the choice and decision with their costs, and who served."""
         h = self.decision.header_value() if self.decision else ""
         if self.choice is not None:
             h = f"{self.choice.header_value()}; {h}"
         actual = f"; served_prefill={self.actual_prefill}; served_decode={self.actual_decode}"
-        # the engines' own share of the TTFT: what the client measures beyond it is the serving path
+        # the engines' own share of the TTFT, and the router's: the time its handler took to read and
+        # render the request (intake) and from routing to the first token; what the client measures
+        # beyond them waited outside the handler (HTTP proxy, the router's event loop)
         engines = "".join(f"; {k}={v:.4f}" for k, v in (("prefill_engine_s", self.prefill_engine_s),
-                                                          ("decode_engine_first_s", self.decode_engine_first_s))
+                                                          ("decode_engine_first_s", self.decode_engine_first_s),
+                                                          ("intake_s", self.intake_s),
+                                                          ("router_first_s", self.router_first_s))
                           if v is not None)
         return h + actual + engines + (f"; fallback={self.fallback}" if self.fallback else "")

@@ -47,6 +47,7 @@ class RequestContext:
     fields: frozenset[str] = frozenset()  # the request fields the client set
     alias: Any = None  # the alias route's pick (`dispatcher.AliasChoice`); None: the request named its model
     flights: list[Flight] = field(default_factory=list)  # one per prompt of the request, in order
+    received: float | None = None  # monotonic time the router's handler got the request
 
 
 _REQUEST: ContextVar[RequestContext | None] = ContextVar("disagg_request", default=None)

@@ -476,6 +476,7 @@ class Router:
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         self.counters.requests += 1
+        received = time.monotonic()
         try:
             slo = self._slo(request)
             self._shed_if_behind(slo)  # before reading the body: the cheapest answer a busy router can give
@@ -493,7 +494,7 @@ class Router:
             return _error(e)
         ctx = RequestContext(slo, limit_ms / 1e3 if limit_ms is not None else self._default_limit_s(slo),
                              self.lam if lam is None else lam, chat, requested_model=req.model,
-                             fields=frozenset(req.model_fields_set))
+                             fields=frozenset(req.model_fields_set), received=received)
         token = entered(ctx)
         result: Any = None
         try:
@@ -551,7 +552,7 @@ class Router:
         f = Flight(rid, ctx.chat, ctx.slo, list(parts.token_ids), params, model, requested_model=ctx.requested_model,
                    fields=ctx.fields, prompt_text=parts.text,
                    final_only=params.output_kind == RequestOutputKind.FINAL_ONLY)
-        f.lam, f.ttft_limit_s = ctx.lam, ctx.ttft_limit_s
+        f.lam, f.ttft_limit_s, f.t_received = ctx.lam, ctx.ttft_limit_s, ctx.received
         # vLLM names prompt i's engine request `<id>-i` (completions) or `<id>_i` (chat, several prompts)
         f.prompt_index = len(ctx.flights)
         f.response_id = rid.removesuffix(f"-{f.prompt_index}").removesuffix(f"_{f.prompt_index}")

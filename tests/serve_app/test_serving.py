@@ -81,6 +81,9 @@ def test_completion_with_usage_and_route_header(client):
     assert float(rt["d_work"]) > 0 and float(rt["p_work"]) > 0  # priced, per term
     # the engines' own times, which calibration subtracts from the client's TTFT
     assert 0 < float(rt["prefill_engine_s"]) < 5 and 0 < float(rt["decode_engine_first_s"]) < 5
+    # the router's: reading and rendering the request, then routing to the first token, which holds both engines'
+    assert 0 < float(rt["intake_s"]) < 5
+    assert float(rt["router_first_s"]) >= float(rt["prefill_engine_s"]) + float(rt["decode_engine_first_s"])
 
 
 def test_the_handoff_goes_over_nixl(client):
