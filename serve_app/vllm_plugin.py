@@ -39,6 +39,22 @@ Two independent causes, two tunings (both measured on a 2-core CPU machine):
    (`VLLM_CPU_OMP_THREADS_BIND=1` on a 2-core machine) is what worked. It has to be an environment
    variable because vLLM reads it in the worker process at start-up.
 
+3. Message-queue spinning (fixed here). An engine's scheduler process and its worker hand every
+   step to each other through shared-memory queues whose reader busy-loops (`sched_yield`) for a
+   second after each message (`shm_broadcast.SpinCondition.wait`) before it sleeps on the writer's
+   notification socket. With engines sharing cores, waiting readers take time slices from the
+   engines' compute and from everything else on the host: a worker waiting for its next step
+   spins on the core its busy neighbours compute on, a scheduler waiting for its worker spins
+   beside the router. On the CPU platform a reader spins for `queue_spin_s()` only (2 ms by
+   default: a busy engine's other side often answers that fast), then waits on the notification
+   socket for at most `QUEUE_WAIT_SLICE_MS` at a time, looking at the queue between. Not an
+   unbounded sleep: the socket is not a reliable wake-up — its publisher keeps one message in
+   flight and drops the rest while a reader has not taken the last one, and a reader that found
+   its message by looking never takes it — so an unbounded wait can miss its message for good
+   (measured: an engine froze mid-run). The slice bounds that miss. `DISAGG_VLLM_QUEUE_SPIN_S`
+   sets the spin, in the environment the engines start in (`1` or more: vLLM's own behaviour).
+   Measured in docs/results.md ("The engines' spinning queues").
+
 If a vLLM upgrade moves the patched symbol, `register()` logs a warning naming what it could not
 find and leaves vLLM unpatched (slow but correct); it never crashes engine start-up.
 """
@@ -47,7 +63,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import os
 import sys
+import time
 from typing import Any
 
 logger = logging.getLogger("disagg.vllm_plugin")
@@ -56,7 +75,10 @@ _NIXL_UTILS = "vllm.distributed.nixl_utils"
 # Modules that bind `nixl_agent_config` into their own namespace with `from ... import`; if one
 # was imported before register() ran, its binding is patched too.
 _NIXL_CONSUMERS = ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker",)
-_PATCHED_FLAG = "__disagg_no_prog_thread__"
+_PATCHED_FLAG = "__disagg_patched__"  # marks what this plugin has wrapped: wrapped once per process
+QUEUE_SPIN_S = 0.002  # how long a queue reader spins for its next message before it waits in slices (item 3)
+QUEUE_SPIN_ENV = "DISAGG_VLLM_QUEUE_SPIN_S"
+QUEUE_WAIT_SLICE_MS = 1  # the longest a queue reader sleeps without looking (item 3): at most this per missed wake-up
 
 _registered = False
 
@@ -74,7 +96,7 @@ def register() -> None:
         logger.warning("disagg vLLM plugin: platform unknown, CPU setup skipped (%s: %s)",
                        type(exc).__name__, exc)
         return
-    for setup in (request_amx_permission, _patch_nixl_agent_config):
+    for setup in (request_amx_permission, _patch_nixl_agent_config, _stop_queue_spinning):
         try:
             setup()
         except Exception as exc:  # each step alone: one failing must not skip the others
@@ -167,3 +189,53 @@ def _patch_nixl_agent_config() -> None:
         if module is not None and "nixl_agent_config" in module.__dict__:
             module.nixl_agent_config = _force_no_prog_thread(module.nixl_agent_config)
     logger.debug("disagg vLLM plugin: NIXL agents will be created with enable_prog_thread=False")
+
+
+def queue_spin_s() -> float:
+    """How long a queue reader spins before it waits in slices: `DISAGG_VLLM_QUEUE_SPIN_S`, else `QUEUE_SPIN_S`."""
+    raw = os.environ.get(QUEUE_SPIN_ENV)
+    if raw is None:
+        return QUEUE_SPIN_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        logger.warning("disagg vLLM plugin: %s=%r is not a number of seconds >= 0; spinning %g s",
+                       QUEUE_SPIN_ENV, raw, QUEUE_SPIN_S)
+        return QUEUE_SPIN_S
+    return value
+
+
+def _stop_queue_spinning() -> None:
+    """Make every shared-memory queue reader of this process wait on its notification socket in
+    slices instead of spinning (item 3)."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    cls = shm_broadcast.SpinCondition
+    spin_wait = cls.wait
+    if getattr(spin_wait, _PATCHED_FLAG, False):
+        return
+    spin_s = queue_spin_s()
+
+    @functools.wraps(spin_wait)
+    def wait(self: Any, timeout_ms: int | None = None) -> None:
+        now = time.monotonic()
+        if not (self.is_reader and now <= self.last_read + self.busy_loop_s):
+            return spin_wait(self, timeout_ms)  # past vLLM's busy second: its own (blocking) wait
+        if getattr(self, "_disagg_read", None) != self.last_read:  # the first wait since the last read
+            self._disagg_read, self._disagg_since = self.last_read, now
+        if now - self._disagg_since < spin_s:
+            return spin_wait(self, timeout_ms)  # a reply this soon is worth a short spin (one yield)
+        slice_ms = QUEUE_WAIT_SLICE_MS if timeout_ms is None else min(timeout_ms, QUEUE_WAIT_SLICE_MS)
+        if self.local_notify_socket in dict(self.poller.poll(timeout=slice_ms)):
+            try:
+                self.local_notify_socket.recv(flags=shm_broadcast.zmq.NOBLOCK, copy=False)
+            except shm_broadcast.zmq.Again:
+                pass
+        # a cancel ping also ends the wait: the caller checks `shutting_down` on return
+
+    setattr(wait, _PATCHED_FLAG, True)
+    cls.wait = wait
+    logger.debug("disagg vLLM plugin: shared-memory queue readers wait in %d ms slices instead of spinning",
+                 QUEUE_WAIT_SLICE_MS)
