@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 
 import pytest
 import torch
@@ -58,11 +59,14 @@ def test_this_hosts_amx_state_is_usable():
     assert vllm_plugin.request_amx_permission() is has_amx
 
 
-def _queue_pair(notify: bool = True):
+def _queue_pair(monkeypatch, folder, notify: bool = True):
     """vLLM's shared-memory queue in this process: its writer, and a reader in a thread that takes
-    one message (so it is inside vLLM's busy second), then times its wait for the next one."""
-    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    one message (so it is inside vLLM's busy second), then times its wait for the next one. Its IPC
+    sockets go to `folder`, not the system temp folder (which the stack's teardown checks is clean)."""
+    from vllm.distributed.device_communicators import shm_broadcast
 
+    monkeypatch.setattr(shm_broadcast, "get_open_zmq_ipc_path", lambda: f"ipc://{folder}/{uuid.uuid4()}")
+    MessageQueue = shm_broadcast.MessageQueue
     writer = MessageQueue(n_reader=1, n_local_reader=1)
     box: dict = {}
 
@@ -83,14 +87,14 @@ def _queue_pair(notify: bool = True):
     return writer, t, box
 
 
-def test_a_queue_reader_sleeps_while_it_waits_and_wakes_for_the_next_message(monkeypatch):
+def test_a_queue_reader_sleeps_while_it_waits_and_wakes_for_the_next_message(monkeypatch, tmp_path):
     """vLLM's own shared-memory queue (scheduler → worker and back, once per engine step), patched:
     a reader waiting 0.3 s for its next message burns little CPU (unpatched it spins through all of
     it: `sched_yield` for a second after each read), and still gets the message at once."""
     monkeypatch.delenv(vllm_plugin.QUEUE_SPIN_ENV, raising=False)  # the default spin, 2 ms
     vllm_plugin._stop_queue_spinning()
     vllm_plugin._stop_queue_spinning()  # idempotent: vLLM may load its plugins twice in a process
-    writer, t, box = _queue_pair()
+    writer, t, box = _queue_pair(monkeypatch, tmp_path)
     writer.enqueue("step 1")
     time.sleep(0.3)
     writer.enqueue("step 2")
@@ -100,12 +104,12 @@ def test_a_queue_reader_sleeps_while_it_waits_and_wakes_for_the_next_message(mon
     assert box["cpu_s"] < 0.02, f"the reader used {box['cpu_s']:.3f} s of CPU waiting {box['wait_s']:.3f} s"
 
 
-def test_a_queue_reader_whose_wake_up_is_lost_still_takes_its_message_within_a_slice(monkeypatch):
+def test_a_queue_reader_whose_wake_up_is_lost_still_takes_its_message_within_a_slice(monkeypatch, tmp_path):
     """The notification socket drops wake-ups (see the plugin's item 3): a reader must not sleep past
     its message for more than a slice or two, never freeze."""
     monkeypatch.delenv(vllm_plugin.QUEUE_SPIN_ENV, raising=False)
     vllm_plugin._stop_queue_spinning()
-    writer, t, box = _queue_pair(notify=False)
+    writer, t, box = _queue_pair(monkeypatch, tmp_path, notify=False)
     writer.enqueue("step 1")
     time.sleep(0.2)
     t_sent = time.monotonic()
