@@ -15,6 +15,19 @@ Prints, and writes to `--out`/summary.json, per trace and policy: the goodput of
 median and range; the P50 TTFT median; and per repeat the paired difference to the first policy
 (the baseline), with its median. Two shared cores are noisy: a difference whose paired values
 straddle zero is not an effect.
+
+SLO capacity with repeats (`--capacity`; DistServe's measure, taken live):
+
+    .venv/bin/python benchmarks/live_repeats.py --url http://127.0.0.1:8000 --capacity \
+        --trace azure_conv_2023:0.9 --trace azure_code_2023:0.75 --trace runs/multi_turn_chat.csv:0.9 \
+        --policies round_robin,least_loaded,colocated,marginal_cost,slo_goodput --rate 2 \
+        --capacity-steps 2 --probe-requests 40 --probe-seconds 24 --repeats 3 --realtime --out runs/capacity
+
+Each repeat searches every policy's capacity on each trace (`disagg bench --capacity`: the highest
+rate at which the trace's ATTAINMENT share of requests, 0.9 unless given after a ':', meet both SLO
+targets; `--rate` is where each search starts), the policy order rotated as above. The summary
+gives each policy's capacity per repeat, median and range, and the ratio of our best policy
+(`--ours`, by median) to the best of the others, per repeat and of the medians.
 """
 
 from __future__ import annotations
@@ -58,13 +71,116 @@ def summary(per_repeat: list[dict], policies: list[str]) -> dict:
     return out
 
 
+def trace_spec(text: str) -> tuple[str, float]:
+    """`NAME[:ATTAINMENT]` → (name, attainment), 0.9 by default."""
+    name, colon, level = text.rpartition(":")
+    if not colon:
+        return text, 0.9
+    try:
+        attainment = float(level)
+    except ValueError:
+        return text, 0.9  # a ':' that is part of the name
+    if not 0.0 < attainment <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the attainment after ':' must be in (0, 1]")
+    return name, attainment
+
+
+def capacity_summary(per_repeat: list[dict[str, dict]], policies: list[str], ours: list[str]) -> dict:
+    """{trace: {policies: {...}, ratio: {...}}} from each repeat's {trace: capacity results}
+    (`resolved["capacity"][trace]` of `run_bench`); `ours` are policy names, a spec with parameters
+    (`slo_goodput:allow_hosted=false`) counts under its name. A search that never passed counts as
+    0 req/s."""
+    out: dict[str, dict] = {}
+    for repeat in per_repeat:
+        for trace, found in repeat.items():
+            cells = out.setdefault(trace, {"policies": {}})["policies"]
+            for policy in policies:
+                f = found.get(policy) or {}
+                c = cells.setdefault(policy, {"capacity_rps": [], "bracketed": []})
+                c["capacity_rps"].append(f.get("capacity_rps") or 0.0)
+                c["bracketed"].append(bool(f.get("bracketed")))
+    for trace, t in out.items():
+        cells = t["policies"]
+        for c in cells.values():
+            caps = c["capacity_rps"]
+            c["median_rps"] = statistics.median(caps)
+            c["range_rps"] = [min(caps), max(caps)]
+        mine = [p for p in policies if p.partition(":")[0] in ours]  # a name, with or without parameters
+        others = [p for p in policies if p not in mine]
+        if not mine or not others:
+            continue
+        best = max(mine, key=lambda p: cells[p]["median_rps"])
+        rival = max(others, key=lambda p: cells[p]["median_rps"])
+        per = [(max(cells[p]["capacity_rps"][r] for p in mine), max(cells[p]["capacity_rps"][r] for p in others))
+               for r in range(len(per_repeat))]
+        t["ratio"] = {"ours": best, "best_other": rival,
+                      "of_medians": cells[best]["median_rps"] / cells[rival]["median_rps"]
+                      if cells[rival]["median_rps"] > 0 else None,
+                      "per_repeat": [a / b if b > 0 else None for a, b in per]}
+    return out
+
+
+def _print_capacity(result: dict, policies: list[str]) -> None:
+    for trace, t in result.items():
+        print(f"\n{trace}: SLO capacity, req/s")
+        for p in policies:
+            c = t["policies"][p]
+            unbracketed = sum(not b for b in c["bracketed"])
+            note = f"  ({unbracketed} not bracketed)" if unbracketed else ""
+            print(f"  {p:24s} {' '.join(f'{x:.3f}' for x in c['capacity_rps'])}  median {c['median_rps']:.3f}{note}")
+        r = t.get("ratio")
+        if r:
+            def fmt(x):
+                return "n/a" if x is None else f"{x:.2f}x"
+            print(f"  {r['ours']} / {r['best_other']}: {fmt(r['of_medians'])} of medians; per repeat "
+                  + " ".join(fmt(x) for x in r["per_repeat"]))
+
+
+def run_capacity(args, policies: list[str], out: Path) -> int:
+    traces = [trace_spec(t) for t in args.trace]
+    ours = [p for p in args.ours.split(",") if p]
+    per_repeat = []
+    simulated: dict[str, dict] = {}  # trace → policy → the simulator's capacity with the same constants
+    for r in range(args.repeats):
+        order = rotated(policies, r)
+        print(f"[repeats] capacity, repeat {r + 1}/{args.repeats}: {', '.join(order)}", file=sys.stderr, flush=True)
+        found: dict[str, dict] = {}
+        for i, (name, attainment) in enumerate(traces):
+            cfg = BenchConfig(out=out / f"repeat{r}" / f"trace{i}", traces=(str(resolve_trace(name)),),
+                              policies=tuple(order), url=args.url, rate=args.rate, max_requests=args.max_requests,
+                              tight_share=args.tight_share, seed=args.seed, cost_model=args.cost_model,
+                              gates=r == 0 and i == 0, realtime=args.realtime, capacity=attainment,
+                              capacity_steps=args.capacity_steps, probe_requests=args.probe_requests,
+                              probe_seconds=args.probe_seconds, sim=args.sim and r == 0)
+            resolved = run_bench(cfg)["resolved"]
+            found.update(resolved["capacity"])
+            for trace, caps in (resolved.get("capacity_sim") or {}).items():
+                simulated[trace] = {p: c.get("capacity_rps") for p, c in caps.items()}
+        per_repeat.append(found)
+    result = {"settings": vars(args), "traces": capacity_summary(per_repeat, policies, ours), "simulated": simulated}
+    write_result(out / "summary.json", result)
+    _print_capacity(result["traces"], policies)
+    for trace, caps in simulated.items():
+        print(f"\n{trace}, simulated: " + ", ".join(f"{p} {c or 0:.3f}" for p, c in caps.items()))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", required=True)
     ap.add_argument("--trace", action="append", required=True)
     ap.add_argument("--policies", required=True, help="comma-separated; the first is the paired baseline")
-    ap.add_argument("--rate", type=float, required=True)
+    ap.add_argument("--rate", type=float, required=True, help="the runs' rate; with --capacity, the searches' start")
     ap.add_argument("--max-requests", type=int, default=150)
+    ap.add_argument("--capacity", action="store_true",
+                    help="search each policy's SLO capacity instead (a trace may be NAME:ATTAINMENT, 0.9 by default)")
+    ap.add_argument("--capacity-steps", type=int, default=2, help="with --capacity: bisection steps")
+    ap.add_argument("--probe-requests", type=int, default=40, help="with --capacity: fewest requests per probe")
+    ap.add_argument("--probe-seconds", type=float, default=24.0, help="with --capacity: seconds of load per probe")
+    ap.add_argument("--sim", action="store_true",
+                    help="with --capacity: the same searches in the simulator, with the same constants (first repeat)")
+    ap.add_argument("--ours", default="slo_goodput",
+                    help="with --capacity: our policies (comma-separated); the rest are the baselines")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cost-model", help="SLO targets (default: the constants the router prices with, checked "
                                          "against its engines by the bench)")
@@ -77,11 +193,14 @@ def main(argv=None) -> int:
     if args.repeats < 1 or len(policies) < 2:
         ap.error("need --repeats >= 1 and at least two policies")
     out = Path(args.out)
+    if args.capacity:
+        return run_capacity(args, policies, out)
     per_repeat = []
     for r in range(args.repeats):
         order = rotated(policies, r)
         print(f"[repeats] repeat {r + 1}/{args.repeats}: {', '.join(order)}", file=sys.stderr, flush=True)
-        cfg = BenchConfig(out=out / f"repeat{r}", traces=tuple(str(resolve_trace(t)) for t in args.trace), policies=tuple(order), url=args.url,
+        cfg = BenchConfig(out=out / f"repeat{r}", traces=tuple(str(resolve_trace(t)) for t in args.trace),
+                          policies=tuple(order), url=args.url,
                           rate=args.rate, max_requests=args.max_requests, tight_share=args.tight_share,
                           seed=args.seed, cost_model=args.cost_model, gates=r == 0, realtime=args.realtime)
         per_repeat.append(run_bench(cfg))

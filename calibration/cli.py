@@ -30,9 +30,9 @@ def cmd_calibrate_live(args) -> int:
     import statistics
     from datetime import datetime, timezone
 
-    from calibration.fit import CalibrationError, fit_fleet, serving_overhead, transfer_latency
+    from calibration.fit import CalibrationError, fit_fleet, live_transfer, serving_overhead
     from calibration.live import LiveCalibrationError, calibrate_fleet
-    from calibration.measure import SERVING_PROBE_TOKENS, serving_path_gaps
+    from calibration.measure import SERVING_PROBE_TOKENS, TRANSFER_PROBE_TOKENS, serving_path_gaps
 
     if args.url is None:
         raise UsageError("--live measures a running app: give its --url")
@@ -60,14 +60,16 @@ def cmd_calibrate_live(args) -> int:
         fleet, samples, seconds = asyncio.run(calibrate_fleet(
             url, args.model, args.quick, args.pause_s, args.budget_s, args.seed,
             lambda total: Progress(total, "calibrating the fleet")))
-        gaps = asyncio.run(serving_path_gaps(url, SERVING_PROBE_TOKENS, args.url_requests, seed=args.seed))
-        overhead = serving_overhead([g.outside_s for g in gaps])
+        # short prompts for the serving path, and long ones beside them for the KV transfer's bandwidth
+        lengths = tuple(dict.fromkeys((SERVING_PROBE_TOKENS, max(SERVING_PROBE_TOKENS, min(
+            TRANSFER_PROBE_TOKENS, fleet.max_model_len // 2)))))
+        gaps = asyncio.run(serving_path_gaps(url, lengths, args.url_requests, seed=args.seed))
+        overhead = serving_overhead([g.outside_s for g in gaps if g.prompt_tokens == SERVING_PROBE_TOKENS])
         name = args.name or f"live-{fleet.model}"
         cm, fits = fit_fleet(samples, fleet.cost_model, name, fleet.source, overhead, measured_at)
-        latency = transfer_latency(gaps, cm)
-        if latency is not None:  # the KV transfer as measured here; the SLO targets follow it
-            base = fleet.cost_model.model_copy(update={"transfer": cm.transfer.model_copy(
-                update={"latency_s": round(latency, 6)})})
+        transfer = live_transfer(gaps, cm)
+        if transfer is not None:  # the KV transfer as measured here; the SLO targets follow it
+            base = fleet.cost_model.model_copy(update={"transfer": transfer[0]})
             cm, fits = fit_fleet(samples, base, name, fleet.source, overhead, measured_at)
         host_report = None
         if args.host:
@@ -88,13 +90,20 @@ def cmd_calibrate_live(args) -> int:
                            ("held", "held-out p50", ".1%"), ("held90", "held-out p90", ".1%")]))
     held = statistics.median(f.held_out["median_rel_error"] for f in fits.values())
     t, l = cm.slo[SloClass.TIGHT], cm.slo[SloClass.LOOSE]
-    print(f"\nserving path: {overhead * 1e3:.1f} ms outside the engines (median of {len(gaps)} lone requests)")
+    print(f"\nserving path: {overhead * 1e3:.1f} ms outside the engines (median of {args.url_requests} lone "
+          f"{SERVING_PROBE_TOKENS}-token requests)")
     print(f"SLO tight TTFT {t.ttft_s * 1e3:.0f} ms / TPOT {t.tpot_s * 1e3:.1f} ms; "
           f"loose TTFT {l.ttft_s * 1e3:.0f} ms / TPOT {l.tpot_s * 1e3:.1f} ms")
     kept = f"kept from {fleet.cost_model.name!r}"
-    print(f"KV transfer: {cm.transfer.latency_s * 1e3:.1f} ms fixed cost "
-          + (f"(measured: median of {len(gaps)} lone requests), bandwidth {kept}" if latency is not None
-             else f"and bandwidth {kept} (no request crossed from a prefill engine)"))
+    xfer = cm.transfer
+    if transfer is None:
+        print(f"KV transfer: {xfer.latency_s * 1e3:.1f} ms fixed cost and bandwidth {kept} "
+              "(no request crossed from a prefill engine)")
+    else:
+        how = (f"{xfer.tokens_per_s:,.0f} tokens/s (measured: medians of lone requests at "
+               f"{' and '.join(map(str, lengths))} tokens)" if transfer[1]
+               else f"bandwidth {kept} ({xfer.tokens_per_s:,.0f} tokens/s: not measurable through the noise)")
+        print(f"KV transfer: {xfer.latency_s * 1e3:.1f} ms fixed cost, {how}")
     print(f"held-out median relative error, median over {len(fits)} instances: {held:.1%}")
     if cm.shared_host is not None:
         h = cm.shared_host
@@ -246,7 +255,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--url", help="a running app (e.g. http://127.0.0.1:8000): with --live, the app to calibrate; "
                                    "either way, also measure the serving path's overhead outside the engines, for "
                                    "the simulator and the TTFT targets")
-    cal.add_argument("--url-requests", type=int, default=16, help="lone requests through the app for --url")
+    cal.add_argument("--url-requests", type=int, default=16,
+                     help="lone requests through the app for --url (with --live: that many at each of two prompt "
+                          "lengths, which also measure the KV transfer)")
     cal.add_argument("--model", help="the served model to calibrate, in a config (or app) that serves several")
     cal.add_argument("--live", action="store_true",
                      help="measure every running instance of the app at --url through its router (/admin/probe) "

@@ -324,15 +324,29 @@ def serving_overhead(outside_engines_s: list[float]) -> float:
     return max(float(np.median(outside_engines_s)), 0.0)
 
 
-def transfer_latency(lone: list, cm: CostModel) -> float | None:
-    """The KV transfer's fixed cost on the running app, from lone disaggregated requests
-    (`measure.LoneRequest`): the decode engine's own time to its first token, less the step that
-    makes it (one sequence, by the constants of the instance that decoded it) and the prompt's
-    transfer at `cm`'s bandwidth; the median, ≥ 0. Probes move no KV, so this is the only live
-    measure of it. None when no request went through a prefill engine (a colocated app)."""
-    rest = [r.decode_first_s - cm.for_instance(r.decode_id).step_s(0, 1) - r.prompt_tokens / cm.transfer.tokens_per_s
-            for r in lone if r.disaggregated]
-    return max(float(np.median(rest)), 0.0) if rest else None
+def live_transfer(lone: list, cm: CostModel) -> tuple[TransferConstants, bool] | None:
+    """The KV transfer on the running app, from lone disaggregated requests (`measure.LoneRequest`):
+    the decode engine's own time to its first token, less the step that makes it (one sequence, by
+    the constants of the instance that decoded it), is the pull of the prompt's KV. Probes move no
+    KV, so this is the only live measure of it. With two or more prompt lengths, the line through
+    each length's median gives the fixed cost and the bandwidth; where that line does not rise (the
+    bandwidth lost in the noise) or with one length, `cm`'s bandwidth is kept and the median of
+    what is left is the fixed cost. Returns (constants, bandwidth measured), None when no request
+    went through a prefill engine (a colocated app); never a negative cost."""
+    pulls = [(r.prompt_tokens, r.decode_first_s - cm.for_instance(r.decode_id).step_s(0, 1))
+             for r in lone if r.disaggregated]
+    if not pulls:
+        return None
+    by_length: dict[int, list[float]] = {}
+    for tokens, seconds in pulls:
+        by_length.setdefault(tokens, []).append(seconds)
+    if len(by_length) >= 2:
+        xs = sorted(by_length)
+        slope, intercept = np.polyfit(xs, [float(np.median(by_length[x])) for x in xs], 1)
+        if slope > 0:
+            return TransferConstants(latency_s=round(max(float(intercept), 0.0), 6), tokens_per_s=1.0 / slope), True
+    fixed = float(np.median([s - t / cm.transfer.tokens_per_s for t, s in pulls]))
+    return cm.transfer.model_copy(update={"latency_s": round(max(fixed, 0.0), 6)}), False
 
 
 def held_out_error(engine: EngineConstants, prefill: list[Sample], decode: list[Sample]) -> dict:

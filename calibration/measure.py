@@ -36,6 +36,7 @@ GREEDY = {"temperature": 0.0}
 SHORTEST_PROMPT = 16
 DECODE_ROOM = 64  # tokens below max_model_len left for the decode side's own tokens
 SERVING_PROBE_TOKENS = 64  # prompt of the lone requests that measure the serving path
+TRANSFER_PROBE_TOKENS = 1024  # and of those that measure the KV transfer's bandwidth (at most half the context)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,24 +215,26 @@ class LoneRequest(NamedTuple):
     prompt_tokens: int
 
 
-async def serving_path_gaps(url: str, prompt_tokens: int, n: int, seed: int = 0,
+async def serving_path_gaps(url: str, prompt_tokens: int | tuple[int, ...], n: int, seed: int = 0,
                             timeout_s: float = 60.0) -> list[LoneRequest]:
-    """`n` lone streaming requests through a running app: one at a time, random token ids so no
-    prefix-cache hits, one unmeasured first. The engines' own part is what they report in the
-    `x-disagg-route` header (the prefill's time and the decode engine's time to its first token), so
-    the gap is measured, not modelled: the HTTP proxy, the router and the Serve hops. Sent and timed
-    by the bench's client, as every live figure is."""
+    """`n` lone streaming requests through a running app per prompt length (one length, or several
+    in turn): one at a time, random token ids so no prefix-cache hits, one unmeasured first. The
+    engines' own part is what they report in the `x-disagg-route` header (the prefill's time and the
+    decode engine's time to its first token), so the gap is measured, not modelled: the HTTP proxy,
+    the router and the Serve hops. Sent and timed by the bench's client, as every live figure is."""
     from disagg.app_client import AppError, AsyncAppClient
     from disagg.bench.loadgen import PlannedRequest, prompt_seed, send_one
 
+    lengths = (prompt_tokens,) if isinstance(prompt_tokens, int) else tuple(prompt_tokens)
     out: list[LoneRequest] = []
     async with AsyncAppClient(url, timeout_s=timeout_s, max_connections=1) as app:
         try:
             model = (await app.model())["id"]
         except (AppError, KeyError, TypeError) as e:
             raise RuntimeError(f"{url}: no model from /v1/models ({e})") from None
-        for i in range(n + 1):
-            req = PlannedRequest(index=i, at_s=0.0, prompt_tokens=prompt_tokens, max_tokens=2,
+        for i in range(n * len(lengths) + 1):
+            tokens = lengths[(i - 1) % len(lengths)] if i else lengths[0]  # alternating: a slow spell hits both
+            req = PlannedRequest(index=i, at_s=0.0, prompt_tokens=tokens, max_tokens=2,
                                  prompt_seed=prompt_seed(seed, "calibrate/serving", i))
             r = await send_one(app.http, model, req, timeout_s=timeout_s)
             if r.error or r.ttft_s is None:
@@ -244,5 +247,5 @@ async def serving_path_gaps(url: str, prompt_tokens: int, n: int, seed: int = 0,
                                    f"({r.route or 'no header'}): not this product's router, or an older one") from None
             if i:  # the first one wakes an idle path up
                 out.append(LoneRequest(r.ttft_s, r.ttft_s - prefill - decode_first, decode_first,
-                                       r.route.get("served_decode"), "prefill_engine_s" in r.route, prompt_tokens))
+                                       r.route.get("served_decode"), "prefill_engine_s" in r.route, tokens))
     return out

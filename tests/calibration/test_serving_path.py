@@ -34,24 +34,60 @@ def test_an_app_that_reports_no_engine_times_is_an_error_not_a_guess():
             asyncio.run(serving_path_gaps(stub.url, 16, 2))
 
 
-def test_the_kv_transfer_latency_is_the_decode_engines_first_token_less_its_step_and_the_bytes():
-    from calibration.fit import transfer_latency
-    from calibration.measure import LoneRequest
+def test_lone_requests_at_several_lengths_alternate_and_count_per_length():
+    with StubServer(first_token_s=0.01, engine_s=(0.004, 0.002)) as stub:
+        gaps = asyncio.run(serving_path_gaps(stub.url, (16, 48), 3))
+        sent = [len(c["body"]["prompt"]) for c in stub.completions]
+    assert sent == [16, 16, 48, 16, 48, 16, 48]  # one unmeasured first, then in turn
+    assert [g.prompt_tokens for g in gaps] == [16, 48, 16, 48, 16, 48]
+
+
+def _cm_with_a_fast_decode():
     from disagg.core.cost_model import load_profile
 
     cm = load_profile("cpu-tiny")
     fast = cm.engine.model_copy(update={"step_base_s": cm.engine.step_base_s / 2})
-    cm = cm.model_copy(update={"instances": {"decode-fast": fast}})
-    latency = 0.012
+    return cm.model_copy(update={"instances": {"decode-fast": fast}})
 
-    def lone(decode_id, prompt):  # what a decode engine reports: the KV pull, then one step of one sequence
-        step = cm.for_instance(decode_id).step_s(0, 1)
-        first = latency + prompt / cm.transfer.tokens_per_s + step
-        return LoneRequest(0.05, 0.01, first, decode_id, True, prompt)
 
-    lones = [lone("decode-fast", 64), lone("decode-other", 64), lone("decode-fast", 1500)]
-    assert transfer_latency(lones, cm) == pytest.approx(latency)
-    colocated = [r._replace(disaggregated=False) for r in lones]
-    assert transfer_latency(colocated, cm) is None  # nothing crossed: nothing to measure
+def _lone(cm, decode_id, prompt, latency, tokens_per_s):
+    """What a decode engine reports: the KV pull, then one step of one sequence."""
+    from calibration.measure import LoneRequest
+
+    first = latency + prompt / tokens_per_s + cm.for_instance(decode_id).step_s(0, 1)
+    return LoneRequest(0.05, 0.01, first, decode_id, True, prompt)
+
+
+def test_two_prompt_lengths_measure_the_kv_transfers_fixed_cost_and_bandwidth():
+    from calibration.fit import live_transfer
+
+    cm = _cm_with_a_fast_decode()
+    lones = [_lone(cm, d, p, 0.012, 150_000.0) for d in ("decode-fast", "decode-other") for p in (64, 1024, 1024)]
+    lones.append(lones[0]._replace(decode_first_s=lones[0].decode_first_s + 0.5))  # an outlier moves no median
+    xfer, measured = live_transfer(lones, cm)
+    assert measured and xfer.latency_s == pytest.approx(0.012, abs=1e-6)
+    assert xfer.tokens_per_s == pytest.approx(150_000.0, rel=1e-3)
+
+
+def test_one_length_or_a_falling_line_keeps_the_bandwidth_and_measures_the_fixed_cost():
+    from calibration.fit import live_transfer
+
+    cm = _cm_with_a_fast_decode()
+    bw = cm.transfer.tokens_per_s
+    one = [_lone(cm, "decode-fast", 64, 0.012, bw), _lone(cm, "decode-other", 64, 0.012, bw)]
+    xfer, measured = live_transfer(one, cm)
+    assert not measured and xfer.latency_s == pytest.approx(0.012) and xfer.tokens_per_s == bw
+    # the long prompts came back faster than the short ones: noise, not a bandwidth
+    falling = [_lone(cm, "decode-fast", 64, 0.020, bw), _lone(cm, "decode-fast", 1024, 0.010, bw)]
+    xfer, measured = live_transfer(falling, cm)
+    assert not measured and xfer.tokens_per_s == bw and xfer.latency_s == pytest.approx(0.015)
+
+
+def test_no_crossing_no_transfer_and_never_a_negative_cost():
+    from calibration.fit import live_transfer
+
+    cm = _cm_with_a_fast_decode()
+    lones = [_lone(cm, "decode-fast", p, 0.012, 150_000.0) for p in (64, 1024)]
+    assert live_transfer([r._replace(disaggregated=False) for r in lones], cm) is None  # nothing crossed
     early = [r._replace(decode_first_s=0.0) for r in lones]
-    assert transfer_latency(early, cm) == 0.0  # never negative
+    assert live_transfer(early, cm)[0].latency_s == 0.0

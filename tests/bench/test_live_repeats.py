@@ -1,0 +1,56 @@
+"""benchmarks/live_repeats.py: the capacity summary over repeats (the searches themselves need the app)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("live_repeats", ROOT / "benchmarks" / "live_repeats.py")
+repeats = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(repeats)
+
+
+def test_a_trace_may_name_its_attainment():
+    assert repeats.trace_spec("azure_code_2023:0.75") == ("azure_code_2023", 0.75)
+    assert repeats.trace_spec("runs/chat.csv") == ("runs/chat.csv", 0.9)
+    with pytest.raises(argparse.ArgumentTypeError, match="1.5"):
+        repeats.trace_spec("chat:1.5")
+
+
+def _found(**caps):
+    return {p: {"capacity_rps": c, "bracketed": c is not None} for p, c in caps.items()}
+
+
+def test_capacity_summary_takes_medians_and_our_best_against_the_best_other():
+    per_repeat = [
+        {"conv": _found(round_robin=1.0, colocated=1.5, slo_goodput=2.0)},
+        {"conv": _found(round_robin=1.2, colocated=1.0, slo_goodput=1.8)},
+        {"conv": _found(round_robin=0.8, colocated=None, slo_goodput=2.4)},
+    ]
+    out = repeats.capacity_summary(per_repeat, ["round_robin", "colocated", "slo_goodput"], ["slo_goodput"])
+    cells = out["conv"]["policies"]
+    assert cells["colocated"]["capacity_rps"] == [1.5, 1.0, 0.0]  # never passed: 0 req/s, and said so
+    assert cells["colocated"]["bracketed"] == [True, True, False]
+    assert cells["round_robin"]["median_rps"] == 1.0 and cells["colocated"]["median_rps"] == 1.0
+    assert cells["slo_goodput"]["range_rps"] == [1.8, 2.4]
+    ratio = out["conv"]["ratio"]
+    assert ratio["ours"] == "slo_goodput" and ratio["of_medians"] == pytest.approx(2.0 / 1.0)
+    # per repeat, against whichever other policy did best in that repeat
+    assert ratio["per_repeat"] == pytest.approx([2.0 / 1.5, 1.8 / 1.2, 2.4 / 0.8])
+
+
+def test_no_ratio_without_both_sides():
+    out = repeats.capacity_summary([{"t": _found(round_robin=1.0, least_loaded=2.0)}],
+                                   ["round_robin", "least_loaded"], ["slo_goodput"])
+    assert "ratio" not in out["t"] and out["t"]["policies"]["least_loaded"]["median_rps"] == 2.0
+
+
+def test_a_policy_with_parameters_counts_under_its_name():
+    spec = "slo_goodput:allow_hosted=false"
+    out = repeats.capacity_summary([{"t": _found(round_robin=1.0, **{spec: 1.5})}], ["round_robin", spec],
+                                   ["slo_goodput"])
+    assert out["t"]["ratio"]["ours"] == spec and out["t"]["ratio"]["of_medians"] == pytest.approx(1.5)
