@@ -730,7 +730,8 @@ class Simulator:
         return SloTarget(ttft_s=self.slo_scale * own.ttft_s, tpot_s=self.slo_scale * own.tpot_s)
 
     def _record(self, f: _Flight, job: Job, now: float) -> RequestRecord:
-        target = self._target(f.req.prompt_tokens, f.slo)
+        # the class's targets read directly: this runs once per request
+        target = self.cm.slo[f.slo] if self.slo_scale is None else self._target(f.req.prompt_tokens, f.slo)
         # the serving path outside the engines, as a fixed delay of the response stream
         late = self.cm.serving_overhead_s
         return RequestRecord.served(

@@ -93,9 +93,14 @@ def test_the_running_fleet_is_calibrated_per_instance_and_the_router_prices_with
         for c in cm.instances.values():
             assert 0 < c.prefill_token_s < 1e-3 and 0 < c.step_base_s < 0.1 and c.kv_capacity_tokens > 10_000
         assert cm.calibrated and cm.model == info["source"]
-        # probes move no KV: the bandwidth is kept; the fixed cost comes from the lone requests' route headers
-        assert cm.transfer.tokens_per_s == info["cost_model_constants"]["transfer"]["tokens_per_s"]
-        assert 0 < cm.transfer.latency_s < 0.2 and "fixed cost (measured: median of 4 lone requests)" in proc.stdout
+        # probes move no KV: the transfer comes from the lone requests' route headers, at two prompt
+        # lengths; the bandwidth is measured where the longer prompts took longer, else kept and said so
+        kept = info["cost_model_constants"]["transfer"]["tokens_per_s"]
+        assert 0 < cm.transfer.latency_s < 0.2
+        if "tokens/s (measured: medians of lone requests at 64 and " in proc.stdout:
+            assert cm.transfer.tokens_per_s != kept and 1e3 < cm.transfer.tokens_per_s < 1e9
+        else:
+            assert "not measurable through the noise" in proc.stdout and cm.transfer.tokens_per_s == kept
         assert "applied" in proc.stdout and "held-out" in proc.stdout
         # the shared host: every engine of the CPU profile runs on one core, beside the serving path
         host = cm.shared_host

@@ -75,7 +75,7 @@ class MarginalCost(Policy):
 
     def prefill_terms(self, v: InstanceView, req: RequestFeatures, sigma: float) -> CostTerms:
         prm = self.params
-        cached = self.cached(v, req)
+        cached = self.cached(v, req) if req.prefix_hashes else 0  # no hashes, nothing cached: spare the calls
         press = v.pressure_after(req.prompt_tokens - cached)
         work = self.cost_model.for_instance(v.instance_id).prefill_s(req.prompt_tokens - cached, cached)
         return CostTerms(
