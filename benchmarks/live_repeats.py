@@ -19,9 +19,10 @@ straddle zero is not an effect.
 SLO capacity with repeats (`--capacity`; DistServe's measure, taken live):
 
     .venv/bin/python benchmarks/live_repeats.py --url http://127.0.0.1:8000 --capacity \
-        --trace azure_conv_2023:0.9 --trace azure_code_2023:0.75 --trace runs/multi_turn_chat.csv:0.9 \
-        --policies round_robin,least_loaded,colocated,marginal_cost,slo_goodput --rate 2 \
-        --capacity-steps 2 --probe-requests 40 --probe-seconds 24 --repeats 3 --realtime --out runs/capacity
+        --trace azure_conv_2023:0.75 --trace azure_code_2023:0.5 --trace runs/multi_turn_chat.csv:0.75 \
+        --policies round_robin,colocated,marginal_cost,slo_goodput:allow_hosted=false --rate 1.5 \
+        --max-requests 200 --capacity-steps 2 --probe-requests 30 --probe-seconds 20 --repeats 3 \
+        --realtime --sim --out runs/capacity-live
 
 Each repeat searches every policy's capacity on each trace (`disagg bench --capacity`: the highest
 rate at which the trace's ATTAINMENT share of requests, 0.9 unless given after a ':', meet both SLO
@@ -175,8 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--capacity", action="store_true",
                     help="search each policy's SLO capacity instead (a trace may be NAME:ATTAINMENT, 0.9 by default)")
     ap.add_argument("--capacity-steps", type=int, default=2, help="with --capacity: bisection steps")
-    ap.add_argument("--probe-requests", type=int, default=40, help="with --capacity: fewest requests per probe")
-    ap.add_argument("--probe-seconds", type=float, default=24.0, help="with --capacity: seconds of load per probe")
+    ap.add_argument("--probe-requests", type=int, default=30, help="with --capacity: fewest requests per probe")
+    ap.add_argument("--probe-seconds", type=float, default=20.0, help="with --capacity: seconds of load per probe")
     ap.add_argument("--sim", action="store_true",
                     help="with --capacity: the same searches in the simulator, with the same constants (first repeat)")
     ap.add_argument("--ours", default="slo_goodput",
