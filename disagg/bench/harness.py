@@ -45,11 +45,13 @@ What one invocation does, in this order:
    **SLO capacity** (`--capacity A`, instead of the fixed-rate runs): per trace, each policy's
    highest rate at which a share ≥ A of the requests meet both SLO targets, by the simulator's
    search (`disagg.sim.runner.capacity_steps`: doubling from the start rate — `--rate`, else the
-   trace's own — then `--capacity-steps` bisection steps on log-rate) with live probes sized as
-   the saturation probes. The policies' searches advance in lockstep, one probe each in turn, so a
-   slow spell of the machine does not land on one policy. Every probe is stored in settings.json
-   as it ends; a resumed run replays them and probes only what is missing. With `--sim` the same
-   searches run in the simulator, with `oracle` (true output lengths) beside them as the bound.
+   trace's own — then `--capacity-steps` bisection steps on log-rate). Every probe of a search
+   sends the same requests from the trace's start, max(`probe_requests`, start rate ×
+   `probe_seconds`) of them, rescaled to its rate. The policies' searches advance in lockstep,
+   one probe each in turn, so a slow spell of the machine does not land on one policy. Every
+   probe is stored in settings.json as it ends; a resumed run replays them and probes only what
+   is missing. With `--sim` the same searches run in the simulator, with `oracle` (true output
+   lengths) beside them as the bound.
 6. `--sim`: `disagg.sim.runner.simulate` on the same slices, with `--cost-model` and the
    topology (by default the live app's instance counts, else 1P2D); its `RequestRecord`s become
    lines of the same schema with `system: "sim"`.
@@ -882,6 +884,10 @@ class Bench:
         pool = self._capacity_pool(t)
         start = cfg.rate or own_rate(pool)
         found = self.resolved.setdefault("capacity", {}).setdefault(t.name, {})
+        # every probe of a search sends the same requests, rescaled to its rate: a probe that took
+        # rate × probe_seconds of the trace would measure a longer slice at a higher rate (on a
+        # bursty trace, where a burst begins) rather than the rate
+        probe = pool[:min(len(pool), max(cfg.probe_requests, math.ceil(start * cfg.probe_seconds)))]
         searches: dict[str, list] = {}  # policy → [search, next rate, probes]
         for policy in cfg.policies:
             probes = found.get(policy, {}).get("probes", [])
@@ -891,7 +897,7 @@ class Bench:
         while searches:
             for policy, s in list(searches.items()):
                 search, rate, probes = s
-                got = await self._capacity_probe(c, t, pool, policy, rate)
+                got = await self._capacity_probe(c, t, probe, policy, rate)
                 probes.append([rate, got])
                 found[policy] = {"probes": probes}
                 try:
@@ -903,13 +909,13 @@ class Bench:
                     self.log(f"{t.name}: {policy} SLO capacity " + (f"{cap:.3f} req/s" if cap else "none"))
                 self._save_settings()
 
-    async def _capacity_probe(self, c: AsyncAppClient, t: TraceInput, pool: list[TraceRequest], policy: str,
+    async def _capacity_probe(self, c: AsyncAppClient, t: TraceInput, probe: list[TraceRequest], policy: str,
                               rate: float) -> float:
-        """The share of requests meeting both SLO targets with `policy` at `rate` (a sustained load of
-        about `probe_seconds`, from the trace's start)."""
+        """The share of the `probe` requests meeting both SLO targets with `policy`, their arrivals
+        rescaled to `rate`."""
         cfg = self.cfg
-        n = min(len(pool), max(cfg.probe_requests, math.ceil(rate * cfg.probe_seconds)))
-        s, _ = plan_slice(pool[:n], rate=rate, duration_s=None, max_requests=None, tight_share=cfg.tight_share,
+        n = len(probe)
+        s, _ = plan_slice(probe, rate=rate, duration_s=None, max_requests=None, tight_share=cfg.tight_share,
                           seed=cfg.seed, max_len=self.resolved.get("max_model_len"))
         await set_policy(c, policy)
         await reset_prefix_cache(c)

@@ -114,7 +114,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--lag-bound-ms", type=float, default=50.0, help="flag runs whose send-lag P99 exceeds this")
     bench.add_argument("--probe-requests", type=int, default=20, help="live saturation: fewest requests per probe")
     bench.add_argument("--probe-seconds", type=float, default=20.0,
-                       help="live saturation: each probe sends rate × this many seconds of the trace")
+                       help="live saturation: each probe sends rate × this many seconds of the trace; "
+                            "--capacity: every probe sends start rate × this many seconds of it, rescaled")
     bench.add_argument("--probe-iterations", type=int, default=5, help="live saturation: bisection steps")
     bench.add_argument("--realtime", action="store_true",
                        help="run the load generator under SCHED_FIFO (needs root) so a busy app cannot delay its "

@@ -430,8 +430,9 @@ def test_live_saturation_probes_the_app_and_is_reused_on_resume(tmp_path):
 
 def test_live_capacity_search_probes_every_policy_in_turn_and_a_rerun_replays_it(tmp_path):
     """`--capacity` against the stub (which answers every request well within its SLO, so each
-    search doubles the rate to its limit): every policy gets the simulator's probe sequence, the
-    probes alternate between the policies, and rerunning the finished command sends nothing."""
+    search doubles the rate to its limit): every policy gets the simulator's probe sequence, every
+    probe sends the same requests (a faster probe takes no longer slice of the trace), the probes
+    alternate between the policies, and rerunning the finished command sends nothing."""
     trace = small_trace(tmp_path / "t.csv", n=30, gap=0.1)
     out = tmp_path / "out"
     cfg = BenchConfig(out=out, traces=(str(trace),), policies=("round_robin", "least_loaded"), capacity=0.9,
@@ -450,6 +451,9 @@ def test_live_capacity_search_probes_every_policy_in_turn_and_a_rerun_replays_it
         assert [round(r, 6) for r, _ in c["probes"]] == [round(own * 2 ** k, 6) for k in range(7)]
         assert all(g == 1.0 for _, g in c["probes"])
         assert c["capacity_rps"] == pytest.approx(own * 64) and c["bracketed"] is False
+    # 14 probes of max(4 requests, 10 req/s × 0.5 s) = 5, the trace's first five whatever the rate
+    first_five = {4 + (5 * i) % 9 for i in range(5)}  # small_trace's output lengths
+    assert sent == 14 * 5 and {c["body"]["max_tokens"] for c in stub.completions} == first_five
     assert switches[:4] == ["round_robin", "least_loaded", "round_robin", "least_loaded"]  # lockstep
     assert results["runs"] == [] and again["resolved"]["capacity"] == results["resolved"]["capacity"]
     assert "SLO capacity" in (out / "results.md").read_text()
