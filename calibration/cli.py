@@ -61,8 +61,8 @@ def cmd_calibrate_live(args) -> int:
             url, args.model, args.quick, args.pause_s, args.budget_s, args.seed,
             lambda total: Progress(total, "calibrating the fleet")))
         # short prompts for the serving path, and long ones beside them for the KV transfer's bandwidth
-        lengths = tuple(dict.fromkeys((SERVING_PROBE_TOKENS, max(SERVING_PROBE_TOKENS, min(
-            TRANSFER_PROBE_TOKENS, fleet.max_model_len // 2)))))
+        long = min(TRANSFER_PROBE_TOKENS, fleet.max_model_len // 2)
+        lengths = (SERVING_PROBE_TOKENS, long) if long > SERVING_PROBE_TOKENS else (SERVING_PROBE_TOKENS,)
         gaps = asyncio.run(serving_path_gaps(url, lengths, args.url_requests, seed=args.seed))
         overhead = serving_overhead([g.outside_s for g in gaps if g.prompt_tokens == SERVING_PROBE_TOKENS])
         name = args.name or f"live-{fleet.model}"
