@@ -29,10 +29,15 @@ Shared hardware (`shared_host`): where the engines do not own their devices — 
 every engine's compute on one core and the serving path's Python on the host's cores beside them —
 every busy engine's steps run slower than alone by one stretch factor, processor sharing:
 
-    stretch = max(1, k / engine_cores, (k + serving_cores) / cores)
+    stretch = max(1, k / engine_cores) + serving_cores / cores
 
 with k engines busy and the serving path demanding `serving_cores` at full speed: token_cpu_s per
 streamed token plus request_cpu_s per request served, at the rates the busy engines produce them.
+The engines time-share the cores they are pinned to; the serving path's threads are not pinned, so
+the operating system spreads them over every core, the engines' included, and each busy engine
+loses their share of its core on top (they do not wait for the cores the engines leave idle: the
+form `max(1, k / engine_cores, (k + serving_cores) / cores)`, which assumed they did, priced the CPU
+profile's latencies a third too low — docs/results.md, "Simulated vs measured").
 Absent (one GPU per engine), the stretch is 1 and every formula above holds as it is.
 """
 
@@ -138,7 +143,7 @@ class SharedHost(_Strict):
         the serving path demanding `serving_cores` (processors at full speed); 1 when nothing is busy."""
         if busy <= 0:
             return 1.0
-        return max(1.0, busy / self.engine_cores, (busy + serving_cores) / self.cores)
+        return max(1.0, busy / self.engine_cores) + serving_cores / self.cores
 
     def serving_cores(self, tokens: float, requests: float, seconds: float) -> float:
         """Processors the serving path needs to keep up with `tokens` streamed and `requests` started
