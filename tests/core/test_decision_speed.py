@@ -21,7 +21,7 @@ from disagg.core.policies import PairCost, SloGoodput
 from disagg.core.policies.base import feasible, fits
 from disagg.core.policies.marginal_cost import _with_transfer
 from disagg.core.policies.base import cached_prompt_tokens
-from disagg.core.policies.slo_goodput import _miss
+from disagg.core.policies.slo_goodput import _HostLoad, _miss
 from disagg.core.types import CostTerms, Decision, InstanceView, NoCapacity, RequestFeatures, Role, SloClass
 from factories import engine_dict, make_cost_model
 
@@ -42,12 +42,17 @@ class ReferenceSloGoodput(SloGoodput):
         if not prefill_ok and not prm.allow_colocated:
             feasible(prefill, req, "prefill")
             raise NoCapacity("no prefill candidate fits and colocated prefill is disabled")
+        host = None if cm.shared_host is None else _HostLoad(cm, cm.shared_host, prefill, decode, spread, tpot_others)
         ends = []
         for p in prefill_ok:
             q = p.backlog_s
             cached = cached_prompt_tokens(p, req)
             work = cm.for_instance(p.instance_id).prefill_s(prompt - cached, cached)
-            ends.append((q + work, q, work, p, self._stall(p, work, out, now, spread)))
+            stall = self._stall(p, work, out, now, spread)
+            if host is None:
+                ends.append((q + work, q, work, p, stall))
+            else:
+                ends.append(((q + work) * host.sigma_on(p), q, work, p, stall + host.prefill_stall(work, p, out)))
         all_ends = ends
         if ends and not cm.pairs:  # the earliest end, and each later one that stalls fewer hosted decodes
             ordered = sorted(ends, key=lambda e: e[0])
@@ -60,20 +65,23 @@ class ReferenceSloGoodput(SloGoodput):
             held = cached_prompt_tokens(d, req)
             press = d.pressure_after(prompt + out + b * out // 2)
             ok_kv = 1.0 - _miss(press, 1.0, spread)
-            tau_after = ec.decode_token_s(b + 1)
-            before = _miss(ec.decode_token_s(b) + pending / out, tpot_others, spread) if b else 0.0
-            step = ec.step_s(0, b + 1)
+            # on a shared host: the stretch d's sequences run at now and with this one, and the misses
+            # making d busy adds to the host's other sequences
+            sigma_now, sigma_d, harm = (1.0, 1.0, 0.0) if host is None else host.site(d)
+            tau_after = ec.decode_token_s(b + 1) * sigma_d
+            before = _miss(ec.decode_token_s(b) * sigma_now + pending / out, tpot_others, spread) if b else 0.0
+            step = ec.step_s(0, b + 1) * sigma_d
             for end, q, work, p, stall in ends:
                 xfer = cm.transfer_s(p.instance_id, d.instance_id, prompt - held)
                 arrive = end + xfer
-                first = ec.step_s(ec.max_batched_tokens - b - 1, b + 1) if pending > arrive else step
+                first = ec.step_s(ec.max_batched_tokens - b - 1, b + 1) * sigma_d if pending > arrive else step
                 if b:
                     first *= 1.5
                 ttft = arrive + first + overhead
                 tpot = tau_after + max(0.0, pending - arrive) / out
                 after = _miss(tau_after + pending / out, tpot_others, spread) if b else 0.0
                 meet = (1.0 - _miss(ttft, ttft_t, spread)) * (1.0 - _miss(tpot, tpot_t, spread)) * ok_kv
-                cost = 1.0 - meet + b * (after - before) + w * ttft / ttft_t + stall
+                cost = 1.0 - meet + b * (after - before) + w * ttft / ttft_t + stall + harm
                 if best is None or cost < best[0]:
                     best = (cost, p, d, q, work, xfer, first, tpot, press)
             if prm.allow_colocated:
@@ -81,10 +89,11 @@ class ReferenceSloGoodput(SloGoodput):
                 chunk = max(1, ec.max_batched_tokens - b)
                 work = (ec.prefill_overhead_s + -(-uncached // chunk) * (ec.step_base_s + ec.decode_seq_s * b)
                         + ec.prefill_token_s * uncached + ec.prefill_attention_s * attention_pairs(uncached, held))
+                work *= sigma_d
                 ttft = pending + work + overhead
                 after = _miss(tau_after + (pending + work) / out, tpot_others, spread) if b else 0.0
                 meet = (1.0 - _miss(ttft, ttft_t, spread)) * (1.0 - _miss(tau_after, tpot_t, spread)) * ok_kv
-                cost = 2.0 - meet - ok_kv + b * (after - before) + w * (ttft + (1 + b) * work) / ttft_t
+                cost = 2.0 - meet - ok_kv + b * (after - before) + w * (ttft + (1 + b) * work) / ttft_t + harm
                 if best is None or cost < best[0]:
                     best = (cost, d, d, pending, work, 0.0, 0.0, tau_after, press)
         for end, q, work, p, _ in all_ends if prm.allow_hosted else ():
@@ -93,13 +102,17 @@ class ReferenceSloGoodput(SloGoodput):
             ec, h = cm.for_instance(p.instance_id), p.hosted
             ttft = end + overhead
             share = 1.0 - self._utilization(p.instance_id, now)
-            tpot = ec.decode_token_s(h + 1) / share
+            tau_h, tau_after, extra = ec.decode_token_s(h), ec.decode_token_s(h + 1), 0.0
+            if host is not None:
+                tau_h, tau_after, extra = host.decode_on(p, tau_h, tau_after)
+                extra += host.prefill_stall(work, p, out)
+            tpot = tau_after / share
             press = p.pressure_after(prompt + out + h * out // 2)
             ok_kv = 1.0 - _miss(press, 1.0, spread)
             harm = h * (_miss(tpot + work / out, tpot_others, spread)
-                        - _miss(ec.decode_token_s(h) / share, tpot_others, spread)) if h else 0.0
+                        - _miss(tau_h / share, tpot_others, spread)) if h else 0.0
             meet = (1.0 - _miss(ttft, ttft_t, spread)) * (1.0 - _miss(tpot, tpot_t, spread)) * ok_kv
-            cost = 2.0 - meet - ok_kv + harm + w * (ttft + h * work + out * ec.decode_seq_s) / ttft_t
+            cost = 2.0 - meet - ok_kv + harm + w * (ttft + h * work + out * ec.decode_seq_s) / ttft_t + extra
             if best is None or cost < best[0]:
                 best = (cost, p, p, q, work, 0.0, 0.0, tpot, press)
         _, p, d, q, work, xfer, first, tpot, press = best
@@ -169,7 +182,11 @@ def _cost_models():
                             instances={"d0": engine_dict(prefill_attention_s=5e-9, decode_seq_s=0.001)},
                             pairs={"p0->d1": {"latency_s": 0.01, "tokens_per_s": 5e4}})
     assert all(v for k, v in every.engine.model_dump().items() if k != "measured_at"), every.engine
-    return {"a40": a40, "small": small, "hetero": hetero, "pairs": pairs, "overhead": overhead, "every": every}
+    # engines on one host: the stretch, the serving path's CPU and the prefill's stall priced too
+    shared = make_cost_model(engine=engine_dict(prefill_token_s=0.0001),
+                             shared_host={"engine_cores": 1.0, "cores": 2.0, "token_cpu_s": 0.0005})
+    return {"a40": a40, "small": small, "hetero": hetero, "pairs": pairs, "overhead": overhead, "every": every,
+            "shared": shared}
 
 
 CMS = _cost_models()

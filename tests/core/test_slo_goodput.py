@@ -212,3 +212,43 @@ def test_a_hosted_decode_gets_the_time_its_instances_prefills_leave(cm):
     u = work / 2.0 * math.exp(-1.0 / 2.0)
     assert second.decode_id == "p0"
     assert second.decode_cost.own_work_s == pytest.approx(100 * cm.engine.decode_token_s(1) / (1 - u))
+
+
+# --- engines that share a host (the CPU profile: every engine's steps on one core) ----------------
+
+CPU_ENGINE = engine_dict(step_base_s=0.0026, prefill_token_s=1.5e-5, decode_seq_s=5e-5, prefill_overhead_s=0.003)
+CPU_SLO = {"tight": {"ttft_s": 0.105, "tpot_s": 0.0068}, "loose": {"ttft_s": 0.316, "tpot_s": 0.0203}}
+ONE_CORE = {"engine_cores": 1.0, "cores": 2.0, "token_cpu_s": 0.0007}
+
+
+def _cpu_fleet(host: dict | None):
+    return make_cost_model(engine=CPU_ENGINE, slo=CPU_SLO, **({"shared_host": host} if host else {}))
+
+
+def _place(cm, decode_queued: list[int], slo: SloClass):
+    prefill = make_instances(Role.PREFILL, n=1)
+    decode = make_instances(Role.DECODE, backlog_s=[0.5 if b else 0.0 for b in decode_queued], queued=decode_queued)
+    r = make_request(prompt_tokens=400, predicted_output_tokens=200, slo_class=slo)
+    return build_policy("slo_goodput", cm, {"allow_hosted": False}).choose(r, prefill, decode, now=0.0)
+
+
+@pytest.mark.parametrize("slo", list(SloClass))
+def test_on_one_shared_core_decodes_gather_on_the_busy_engine(slo):
+    # engines that own their devices: the idle decode engine is the faster one
+    assert _place(_cpu_fleet(None), [4, 0], slo).decode_id == "d1"
+    # on one core, a second busy decode engine makes every step on the host slower (σ 1.5 → 2.5),
+    # where one more sequence in d0's batch costs it 0.05 ms a step
+    assert _place(_cpu_fleet(ONE_CORE), [4, 0], slo).decode_id == "d0"
+    # cores enough for every engine and no serving CPU: as if each owned its device
+    roomy = _cpu_fleet({"engine_cores": 3.0, "cores": 4.0})
+    assert _place(roomy, [4, 0], slo).decode_id == "d1"
+
+
+@pytest.mark.parametrize("slo", list(SloClass))
+def test_on_one_shared_core_a_prefill_that_would_stall_every_decode_runs_beside_its_own(slo):
+    # with 7 sequences running, a prefill on the idle prefill engine takes its time from all of them;
+    # colocated on d0 it delays d0's one sequence only (and moves no KV)
+    own = _place(_cpu_fleet(None), [1, 6], slo)
+    assert (own.prefill_id, own.decode_id) == ("p0", "d0")
+    shared = _place(_cpu_fleet(ONE_CORE), [1, 6], slo)
+    assert (shared.prefill_id, shared.decode_id) == ("d0", "d0")

@@ -9,6 +9,7 @@ from pydantic import Field
 from disagg.core.cost_model import (
     CostModel,
     EngineConstants,
+    SharedHost,
     SloTarget,
     attention_pairs,
 )
@@ -124,10 +125,25 @@ class SloGoodput(Policy):
       step it saves. When the decode pool's KV or TPOT is the limit, the prefill pool's KV and
       time serve decodes as well.
 
+    On a shared host (`CostModel.shared_host`: the CPU profile's engines on one core) every step
+    above runs at the host's stretch σ(k) for the k engines busy (`_HostLoad`), so the placements
+    are priced for the hardware serving them:
+    - a decode on an idle instance makes one more engine busy: its own tokens take τ·σ(k + 1), and
+      every sequence running anywhere on the host goes from τ·σ(k) to τ·σ(k + 1) — its TPOT misses
+      are charged to the placement. On a busy instance the host's stretch stays, and one more
+      sequence costs its batch only τ_seq: so decodes gather on few engines until a batch's step
+      outgrows what another busy engine costs everyone;
+    - a prefill on a prefill instance (a pair, or hosted) takes its work from the engines it shares
+      the cores with: every sequence running on the host is delayed by work / engine_cores (by less
+      where the engines have a core to spare). A colocated prefill runs in its decode instance's
+      share of the host: it delays that instance's sequences only (as above);
+    - TTFTs take the same stretch: a prefill's queue and work, a decode's first step.
+    Engines that own their devices (no `shared_host`): σ is 1 and nothing above changes a price.
+
     Queues: on a prefill instance, the ledger's `backlog_s` (which prices each prefill at the part of
-    its prompt that instance did not hold cached). On a decode instance the backlog mixes colocated prefill with decode work,
-    so the policy keeps its own clock of when the colocated prefills it sent there end, bounded by
-    the backlog; with several router replicas each sees only its own colocated prefills there
+    its prompt that instance did not hold cached). On a decode instance the backlog mixes colocated
+    prefill with decode work, so the policy keeps its own clock of when the colocated prefills it
+    sent there end, bounded by the backlog; with several router replicas each sees only its own colocated prefills there
     (private state, like a round-robin cursor: fresh per replica), and its own prefills in the
     utilization u. On a prefill instance the ledger's view counts the prefill work only: the
     decodes hosted there run beside the prefills, not ahead of them (`InstanceView.hosted`).
@@ -200,15 +216,17 @@ class SloGoodput(Policy):
         out, target = max(1, req.predicted_output_tokens), cm.target(req.slo_class)
         if req.ttft_target_s is not None:  # SLOs that scale with the request
             target = SloTarget(ttft_s=req.ttft_target_s, tpot_s=req.tpot_target_s)
-        ends = self._prefill_ends(prefill_ok, req, now)
-        sites = self._decode_sites(decode_ok, req, now)
+        host = None if cm.shared_host is None else _HostLoad(cm, cm.shared_host, prefill, decode, prm.latency_error,
+                                                             self._tpot_floor_s)
+        ends = self._prefill_ends(prefill_ok, req, now, host)
+        sites = self._decode_sites(decode_ok, req, now, host)
         # each kind's cheapest replaces the cheapest so far only if it costs less (or as much and comes
         # first: `_Priced`), and the cost to beat lets the next kind skip its hopeless candidates early
-        best = self._best_pair(req, out, target, ends, sites, now, None)
+        best = self._best_pair(req, out, target, ends, sites, now, None, host)
         if prm.allow_colocated:
             best = self._best_colocated(req, out, target, sites, best)
         if prm.allow_hosted:
-            best = self._best_hosted(req, out, target, ends, now, best)
+            best = self._best_hosted(req, out, target, ends, now, best, host)
 
         # best is set: decode_ok is not empty, and either colocation is allowed or a prefill fits
         _, _, p, d, q, work, xfer, first, tpot, press = best
@@ -232,7 +250,7 @@ class SloGoodput(Policy):
     # choice (tests/core/test_decision_speed.py checks it against that form).
 
     def _best_pair(self, req: RequestFeatures, out: int, target: SloTarget, ends: list[tuple], sites: list[tuple],
-                   now: float, best: _Priced | None) -> _Priced | None:
+                   now: float, best: _Priced | None, host: "_HostLoad | None" = None) -> _Priced | None:
         """The cheapest disaggregated placement — prefill on an instance of `ends` (`_prefill_ends`),
         KV transfer, decode on an instance of `sites` (`_decode_sites`) — if it beats `best`, else `best`."""
         if not ends:
@@ -245,6 +263,8 @@ class SloGoodput(Policy):
         # prefill adds to the decodes hosted there (its stall); so without per-pair transfer constants
         # only the earliest end is worth pairing, and any later one that stalls less
         stalls = [self._stall(p, work, out, now, spread) if p.hosted else 0.0 for _, _, work, p in ends]
+        if host is not None:  # and on a shared host, the sequences running on every engine there
+            stalls = [stall + host.prefill_stall(work, p, out) for stall, (_, _, work, p) in zip(stalls, ends)]
         if not cm.pairs:
             by_end = sorted(range(len(ends)), key=lambda j: ends[j][0])
             keep, low = [], math.inf
@@ -260,9 +280,9 @@ class SloGoodput(Policy):
         pair_rows = [self._pair_transfers.row(p.instance_id) for _, _, _, p in ends]
         best_cost = math.inf if best is None else best[0]
         bar = best_cost + _COST_ROUNDING
-        for i, d, _, b, steps, pending, held in sites:
+        for i, d, _, b, steps, pending, held, spread_harm in sites:
             did = d.instance_id
-            tau_b, tau_after, step, step_beside_chunk = steps
+            tau_b, tau_after, step, step_beside_chunk, _ = steps
             ok_kv = None  # and `press`, `before`: computed once a candidate on d may win
             for (end, q, work, p), pair_row, stall in zip(ends, pair_rows, stalls):
                 if p.instance_id == did:  # `cm.transfer_s`, by instance ids
@@ -276,7 +296,7 @@ class SloGoodput(Policy):
                 if b:
                     first *= 1.5  # + the rest of the step in flight, half a step on average
                 ttft = arrive + first + overhead
-                load = w * ttft / ttft_t + stall
+                load = w * ttft / ttft_t + stall + spread_harm
                 if load > bar:
                     continue
                 meets_ttft = 1.0 - 0.5 * erfc((1.0 - ttft / ttft_t) / spread * k)
@@ -307,15 +327,17 @@ class SloGoodput(Policy):
         erfc, k = math.erfc, _INV_SQRT2
         best_cost = math.inf if best is None else best[0]
         bar = best_cost + _COST_ROUNDING
-        for i, d, ec, b, steps, pending, held in sites:
+        for i, d, ec, b, steps, pending, held, spread_harm in sites:
             uncached = prompt - held
             chunk = max(1, ec.max_batched_tokens - b)
             # beside b decoding sequences, each step prefills (budget − b) tokens and costs them their step
             work = (ec.prefill_overhead_s + -(-uncached // chunk) * (ec.step_base_s + ec.decode_seq_s * b)
                     + ec.prefill_token_s * uncached + ec.prefill_attention_s * attention_pairs(uncached, held))
+            if steps[4] != 1.0:  # on a shared host, at d's stretch
+                work *= steps[4]
             ttft = pending + work + overhead
             # its time is taken from d and from each of the b sequences waiting for it
-            load = w * (ttft + (1 + b) * work) / ttft_t
+            load = w * (ttft + (1 + b) * work) / ttft_t + spread_harm
             if load > bar:
                 continue
             meets_ttft = 1.0 - 0.5 * erfc((1.0 - ttft / ttft_t) / spread * k)
@@ -336,7 +358,7 @@ class SloGoodput(Policy):
         return best
 
     def _best_hosted(self, req: RequestFeatures, out: int, target: SloTarget, ends: list[tuple], now: float,
-                     best: _Priced | None) -> _Priced | None:
+                     best: _Priced | None, host: "_HostLoad | None" = None) -> _Priced | None:
         """The cheapest hosted placement — a prefill instance of `ends` (`_prefill_ends`) serving the
         request whole: no transfer, and its KV holds the decode — if it beats `best`, else `best`."""
         prm, cm = self.params, self.cost_model
@@ -357,10 +379,14 @@ class SloGoodput(Policy):
             if steps is None:
                 steps = memo[h] = _step_times(ec, h)
             tau_h, tau_after = steps[0], steps[1]
+            extra = 0.0
+            if host is not None:  # on a shared host: at p's stretch, and p stays busy while it decodes
+                tau_h, tau_after, extra = host.decode_on(p, tau_h, tau_after)
+                extra += host.prefill_stall(work, p, out)
             ttft = end + overhead  # its last prefill chunk gives the first token
             # its time is taken from the h decodes hosted there (its prefill), and from p's prefills
             # (its decode: ô steps, each longer by one sequence's cost)
-            load = w * (ttft + h * work + out * ec.decode_seq_s) / ttft_t
+            load = w * (ttft + h * work + out * ec.decode_seq_s) / ttft_t + extra
             if load > bar:
                 continue
             meets_ttft = 1.0 - 0.5 * erfc((1.0 - ttft / ttft_t) / spread * k)
@@ -383,11 +409,12 @@ class SloGoodput(Policy):
                 best_cost, bar = cost, cost + _COST_ROUNDING
         return best
 
-    def _decode_sites(self, pool: list[InstanceView], req: RequestFeatures, now: float) -> list[tuple]:
+    def _decode_sites(self, pool: list[InstanceView], req: RequestFeatures, now: float,
+                      host: "_HostLoad | None" = None) -> list[tuple]:
         """What pricing a placement on each decode candidate starts from, shared by its pairs and its
         colocated prefill: (its position in `pool`, the instance, its engine constants, b = its running
-        sequences, `_step_times` for b, the colocated prefill still to run there, the prompt tokens it
-        holds cached)."""
+        sequences, `_step_times` for b and d's stretch, the colocated prefill still to run there, the
+        prompt tokens it holds cached, the misses that making d busy adds to the host's sequences)."""
         cm, hashes = self.cost_model, req.prefix_hashes
         colocated_ends, same_engine = self._colocated_ends, not cm.instances
         ec, memo = cm.engine, self._steps.setdefault(None, {})
@@ -402,7 +429,13 @@ class SloGoodput(Policy):
                 steps = memo[b] = _step_times(ec, b)
             pending = min(d.backlog_s, max(0.0, colocated_ends.get(did, now) - now))  # `_colocated_queue_s`
             held = cached_prompt_tokens(d, req) if hashes else 0
-            sites.append((i, d, ec, b, steps, pending, held))
+            if host is None:
+                sites.append((i, d, ec, b, steps, pending, held, 0.0))
+                continue
+            sigma_now, sigma_d, harm = host.site(d)
+            tau_b, tau_after, step, beside = steps[:4]
+            sites.append((i, d, ec, b, (tau_b * sigma_now, tau_after * sigma_d, step * sigma_d, beside * sigma_d,
+                                        sigma_d), pending, held, harm))
         return sites
 
     def _stall(self, p: InstanceView, work: float, out: int, now: float, spread: float) -> float:
@@ -412,8 +445,10 @@ class SloGoodput(Policy):
         tpot = ec.decode_token_s(h) / (1.0 - self._utilization(p.instance_id, now))
         return h * (_miss(tpot + work / out, self._tpot_floor_s, spread) - _miss(tpot, self._tpot_floor_s, spread))
 
-    def _prefill_ends(self, pool: list[InstanceView], req: RequestFeatures, now: float) -> list[tuple]:
-        """(end of the request's prefill, queue, work, instance) on each prefill candidate."""
+    def _prefill_ends(self, pool: list[InstanceView], req: RequestFeatures, now: float,
+                      host: "_HostLoad | None" = None) -> list[tuple]:
+        """(end of the request's prefill, queue, work, instance) on each prefill candidate; on a shared
+        host the end is at the instance's stretch, the queue and work as they are alone."""
         cm, prompt = self.cost_model, req.prompt_tokens
         # without prefix hashes or per-instance constants the work is the same everywhere: price it once
         uniform = not (req.prefix_hashes or cm.instances)
@@ -424,7 +459,7 @@ class SloGoodput(Policy):
             if not uniform:
                 cached = cached_prompt_tokens(p, req)  # the uncached rest attends to the cached prefix too
                 work = cm.for_instance(p.instance_id).prefill_s(prompt - cached, cached)
-            ends.append((q + work, q, work, p))
+            ends.append((q + work if host is None else (q + work) * host.sigma_on(p), q, work, p))
         return ends
 
 
@@ -433,7 +468,78 @@ class SloGoodput(Policy):
 _COST_ROUNDING = 1e-9
 
 
-def _step_times(ec: EngineConstants, b: int) -> tuple[float, float, float, float]:
-    """τ_dec(b), τ_dec(b + 1), a decode step of b + 1 sequences, and that step beside a full prefill chunk."""
+def _step_times(ec: EngineConstants, b: int) -> tuple[float, float, float, float, float]:
+    """τ_dec(b), τ_dec(b + 1), a decode step of b + 1 sequences, that step beside a full prefill
+    chunk, and the stretch they run at (1: alone)."""
     return (ec.decode_token_s(b), ec.decode_token_s(b + 1), ec.step_s(0, b + 1),
-            ec.step_s(ec.max_batched_tokens - b - 1, b + 1))
+            ec.step_s(ec.max_batched_tokens - b - 1, b + 1), 1.0)
+
+
+class _HostLoad:
+    """The shared host as one decision sees it: which engines are busy (a decode instance with
+    requests, a prefill instance with a backlog or hosted decodes), the serving path's CPU for the
+    tokens they stream, and the sequences running there, each with its TPOT as it is now."""
+
+    __slots__ = ("host", "busy", "k", "serving", "sigma", "sigma_up", "running", "spread", "floor", "_harm_up")
+
+    def __init__(self, cm: CostModel, host: SharedHost, prefill: list[InstanceView], decode: list[InstanceView],
+                 spread: float, floor: float) -> None:
+        self.host, self.spread, self.floor = host, spread, floor
+        views = {v.instance_id: v for v in (*prefill, *decode)}
+        self.busy: set[str] = set()
+        batches = []  # (engine constants, running sequences) of each busy engine that decodes
+        for iid, v in views.items():
+            b = v.queued if v.role is not Role.PREFILL else v.hosted
+            if b or v.backlog_s > 0:
+                self.busy.add(iid)
+                if b:
+                    batches.append((cm.for_instance(iid), b))
+        self.k = len(self.busy)
+        # the serving path streams each decoding engine's batch once per step
+        self.serving = sum(host.token_cpu_s * b / ec.step_s(0, b) for ec, b in batches)
+        self.sigma = host.stretch(self.k, self.serving)
+        self.sigma_up = host.stretch(self.k + 1, self.serving)
+        self.running = [(ec.decode_token_s(b) * self.sigma, b) for ec, b in batches]
+        self._harm_up: float | None = None
+
+    def sigma_on(self, v: InstanceView) -> float:
+        """The stretch `v`'s steps run at once it has work: one more busy engine if it has none now."""
+        return self.sigma if v.instance_id in self.busy else self.sigma_up
+
+    def _delayed(self, delay_per_token: float) -> float:
+        """TPOT misses the running sequences gain when each token of theirs comes later by `delay_per_token`
+        (judged against the strictest class, their own not being visible)."""
+        spread, floor = self.spread, self.floor
+        return sum(b * (_miss(t + delay_per_token, floor, spread) - _miss(t, floor, spread)) for t, b in self.running)
+
+    def harm_up(self) -> float:
+        """The misses one more busy engine adds to every sequence running on the host (σ(k) → σ(k + 1))."""
+        if self._harm_up is None:
+            spread, floor, up = self.spread, self.floor, self.sigma_up / self.sigma
+            self._harm_up = sum(b * (_miss(t * up, floor, spread) - _miss(t, floor, spread)) for t, b in self.running)
+        return self._harm_up
+
+    def site(self, d: InstanceView) -> tuple[float, float, float]:
+        """For a decode placed on `d`: the stretch its sequences run at now, then, and the misses it
+        adds to the host's other sequences by making `d` busy (0 if it is already)."""
+        if d.instance_id in self.busy:
+            return self.sigma, self.sigma, 0.0
+        return self.sigma, self.sigma_up, self.harm_up()
+
+    def decode_on(self, p: InstanceView, tau_h: float, tau_after: float) -> tuple[float, float, float]:
+        """A decode hosted on prefill instance `p`: τ_dec(h) and τ_dec(h + 1) at its stretch, and the
+        misses it adds to the host's sequences by keeping `p` busy while it decodes."""
+        sigma_now, sigma_p, harm = self.site(p)
+        return tau_h * sigma_now, tau_after * sigma_p, harm
+
+    def prefill_stall(self, work: float, p: InstanceView, out: int) -> float:
+        """The misses a prefill of `work` seconds on `p` adds to the sequences running on the host's
+        other engines: with k busy engines on `engine_cores` cores, its time is taken from theirs —
+        each is delayed by work / engine_cores when every core is taken without it, by the part the
+        spare cores cannot absorb otherwise — spread over a sequence's (predicted) output."""
+        if not self.running:
+            return 0.0
+        k = self.k if p.instance_id in self.busy else self.k + 1
+        cores = self.host.engine_cores
+        delay = work * max(0.0, min(k / cores - 1.0, 1.0 / cores))
+        return self._delayed(delay / out) if delay > 0 else 0.0
