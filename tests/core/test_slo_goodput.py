@@ -252,3 +252,21 @@ def test_on_one_shared_core_a_prefill_that_would_stall_every_decode_runs_beside_
     assert (own.prefill_id, own.decode_id) == ("p0", "d0")
     shared = _place(_cpu_fleet(ONE_CORE), [1, 6], slo)
     assert (shared.prefill_id, shared.decode_id) == ("d0", "d0")
+
+
+def test_a_prefill_stalls_the_other_engines_sequences_not_again_those_its_own_engine_hosts():
+    from disagg.core.policies.slo_goodput import _HostLoad
+
+    cm = _cpu_fleet(ONE_CORE)
+    prefill = [replace(make_instances(Role.PREFILL, backlog_s=[0.01], queued=[6])[0], hosted=6)]
+    idle = make_instances(Role.DECODE, n=1)
+    busy = make_instances(Role.DECODE, backlog_s=[0.5], queued=[6])
+    p = prefill[0]
+    # the decodes p hosts wait for the whole prefill: priced with p (`_stall`), not as the host's
+    alone = _HostLoad(cm, cm.shared_host, prefill, idle, 0.15, 0.0068)
+    assert alone.prefill_stall(0.05, p, out=50) == 0.0
+    beside = _HostLoad(cm, cm.shared_host, prefill, busy, 0.15, 0.0068)
+    assert beside.prefill_stall(0.05, p, out=50) > 0.0  # the decode engine's six are slowed
+    # with a core for every engine the prefill takes nothing from the others
+    roomy = _cpu_fleet({"engine_cores": 2.0, "cores": 4.0})
+    assert _HostLoad(roomy, roomy.shared_host, prefill, busy, 0.15, 0.0068).prefill_stall(0.05, p, out=50) == 0.0

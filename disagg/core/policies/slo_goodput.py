@@ -487,36 +487,39 @@ class _HostLoad:
         self.host, self.spread, self.floor = host, spread, floor
         views = {v.instance_id: v for v in (*prefill, *decode)}
         self.busy: set[str] = set()
-        batches = []  # (engine constants, running sequences) of each busy engine that decodes
+        batches = []  # (instance, engine constants, running sequences) of each busy engine that decodes
         for iid, v in views.items():
             b = v.queued if v.role is not Role.PREFILL else v.hosted
             if b or v.backlog_s > 0:
                 self.busy.add(iid)
                 if b:
-                    batches.append((cm.for_instance(iid), b))
+                    batches.append((iid, cm.for_instance(iid), b))
         self.k = len(self.busy)
         # the serving path streams each decoding engine's batch once per step
-        self.serving = sum(host.token_cpu_s * b / ec.step_s(0, b) for ec, b in batches)
+        self.serving = sum(host.token_cpu_s * b / ec.step_s(0, b) for _, ec, b in batches)
         self.sigma = host.stretch(self.k, self.serving)
         self.sigma_up = host.stretch(self.k + 1, self.serving)
-        self.running = [(ec.decode_token_s(b) * self.sigma, b) for ec, b in batches]
+        self.running = [(iid, ec.decode_token_s(b) * self.sigma, b) for iid, ec, b in batches]
         self._harm_up: float | None = None
 
     def sigma_on(self, v: InstanceView) -> float:
         """The stretch `v`'s steps run at once it has work: one more busy engine if it has none now."""
         return self.sigma if v.instance_id in self.busy else self.sigma_up
 
-    def _delayed(self, delay_per_token: float) -> float:
-        """TPOT misses the running sequences gain when each token of theirs comes later by `delay_per_token`
-        (judged against the strictest class, their own not being visible)."""
+    def _delayed(self, delay_per_token: float, besides: str) -> float:
+        """TPOT misses the sequences running on engines other than `besides` gain when each token of
+        theirs comes later by `delay_per_token` (judged against the strictest class, their own not being
+        visible)."""
         spread, floor = self.spread, self.floor
-        return sum(b * (_miss(t + delay_per_token, floor, spread) - _miss(t, floor, spread)) for t, b in self.running)
+        return sum(b * (_miss(t + delay_per_token, floor, spread) - _miss(t, floor, spread))
+                   for iid, t, b in self.running if iid != besides)
 
     def harm_up(self) -> float:
         """The misses one more busy engine adds to every sequence running on the host (σ(k) → σ(k + 1))."""
         if self._harm_up is None:
             spread, floor, up = self.spread, self.floor, self.sigma_up / self.sigma
-            self._harm_up = sum(b * (_miss(t * up, floor, spread) - _miss(t, floor, spread)) for t, b in self.running)
+            self._harm_up = sum(b * (_miss(t * up, floor, spread) - _miss(t, floor, spread))
+                                for _, t, b in self.running)
         return self._harm_up
 
     def site(self, d: InstanceView) -> tuple[float, float, float]:
@@ -536,10 +539,12 @@ class _HostLoad:
         """The misses a prefill of `work` seconds on `p` adds to the sequences running on the host's
         other engines: with k busy engines on `engine_cores` cores, its time is taken from theirs —
         each is delayed by work / engine_cores when every core is taken without it, by the part the
-        spare cores cannot absorb otherwise — spread over a sequence's (predicted) output."""
+        spare cores cannot absorb otherwise — spread over a sequence's (predicted) output. The
+        decodes `p` itself hosts wait for the whole prefill, priced where `p` is priced (`_stall`, or
+        a hosted placement's harm), so not here."""
         if not self.running:
             return 0.0
         k = self.k if p.instance_id in self.busy else self.k + 1
         cores = self.host.engine_cores
         delay = work * max(0.0, min(k / cores - 1.0, 1.0 / cores))
-        return self._delayed(delay / out) if delay > 0 else 0.0
+        return self._delayed(delay / out, p.instance_id) if delay > 0 else 0.0
