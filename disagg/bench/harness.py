@@ -878,16 +878,20 @@ class Bench:
     def _capacity_pool(self, t: TraceInput) -> list[TraceRequest]:
         return list(t.requests[: self.cfg.max_requests] if self.cfg.max_requests else t.requests)
 
+    def _capacity_probe_slice(self, pool: list[TraceRequest], start: float) -> list[TraceRequest]:
+        """The requests every probe of a search sends, rescaled to its rate, live and simulated alike: a
+        probe that took rate × probe_seconds of the trace would measure a longer slice at a higher
+        rate (on a bursty trace, where a burst begins) rather than the rate."""
+        cfg = self.cfg
+        return pool[:min(len(pool), max(cfg.probe_requests, math.ceil(start * cfg.probe_seconds)))]
+
     async def _live_capacity(self, c: AsyncAppClient, t: TraceInput) -> None:
         """Every policy's SLO capacity on trace `t`, searched live in lockstep (module doc, step 5)."""
         cfg = self.cfg
         pool = self._capacity_pool(t)
         start = cfg.rate or own_rate(pool)
         found = self.resolved.setdefault("capacity", {}).setdefault(t.name, {})
-        # every probe of a search sends the same requests, rescaled to its rate: a probe that took
-        # rate × probe_seconds of the trace would measure a longer slice at a higher rate (on a
-        # bursty trace, where a burst begins) rather than the rate
-        probe = pool[:min(len(pool), max(cfg.probe_requests, math.ceil(start * cfg.probe_seconds)))]
+        probe = self._capacity_probe_slice(pool, start)
         searches: dict[str, list] = {}  # policy → [search, next rate, probes]
         for policy in cfg.policies:
             probes = found.get(policy, {}).get("probes", [])
@@ -939,10 +943,11 @@ class Bench:
             pool = self._capacity_pool(t)
             start = self.cfg.rate or own_rate(pool)
             pool, _, _ = fit_to_context(pool, self.resolved.get("max_model_len"))  # as the live probes are
+            probe = self._capacity_probe_slice(pool, start)  # the live probes' requests, not the whole pool
             for policy in (*self.cfg.policies, *(() if "oracle" in self.cfg.policies else ("oracle",))):
                 if policy in out.get(t.name, {}):
                     continue
-                found = find_capacity(rescale_to_rate(pool, start), self.cm, topology, policy,
+                found = find_capacity(rescale_to_rate(probe, start), self.cm, topology, policy,
                                       attainment=self.cfg.capacity, steps=self.cfg.capacity_steps,
                                       tight_share=self.cfg.tight_share, seed=self.cfg.seed)
                 out.setdefault(t.name, {})[policy] = found

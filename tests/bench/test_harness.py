@@ -459,6 +459,26 @@ def test_live_capacity_search_probes_every_policy_in_turn_and_a_rerun_replays_it
     assert "SLO capacity" in (out / "results.md").read_text()
 
 
+def test_the_simulated_capacity_search_sends_the_live_probes_requests(tmp_path, monkeypatch):
+    """`--sim` beside `--capacity`: the simulator searches with the requests every live probe sends
+    (max(probe_requests, start rate × probe_seconds) from the trace's start), not the whole slice."""
+    import disagg.sim.runner as runner
+
+    searched = []
+
+    def search(trace, cost_model, topology, policy, **kw):
+        searched.append((policy, len(trace)))
+        return {"capacity_rps": 1.0, "bracket": [1.0, 2.0], "bracketed": True, "probes": [[1.0, 1.0]],
+                "attainment": kw["attainment"]}
+
+    monkeypatch.setattr(runner, "find_capacity", search)
+    trace = small_trace(tmp_path / "t.csv", n=30, gap=0.1)
+    cfg = BenchConfig(out=tmp_path / "out", traces=(str(trace),), policies=("round_robin",), capacity=0.9,
+                      capacity_steps=2, probe_requests=4, probe_seconds=0.5, gates=False, sim=True)
+    run_bench(cfg)
+    assert searched == [("round_robin", 5), ("oracle", 5)]  # max(4, 10 req/s × 0.5 s), not the pool's 30
+
+
 def test_capacity_is_checked_before_anything_is_sent(tmp_path):
     trace = small_trace(tmp_path / "t.csv")
     for bad, message in ((dict(capacity=1.5), r"in \(0, 1\]"), (dict(capacity=0.9, saturation=True), "excludes"),
