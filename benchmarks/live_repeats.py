@@ -19,10 +19,13 @@ straddle zero is not an effect.
 SLO capacity with repeats (`--capacity`; DistServe's measure, taken live):
 
     .venv/bin/python benchmarks/live_repeats.py --url http://127.0.0.1:8000 --capacity \
-        --trace azure_conv_2023:0.75 --trace azure_code_2023:0.5 --trace runs/multi_turn_chat.csv:0.75 \
-        --policies round_robin,colocated,marginal_cost,slo_goodput:allow_hosted=false --rate 1.5 \
-        --max-requests 200 --capacity-steps 2 --probe-requests 30 --probe-seconds 20 --repeats 3 \
-        --realtime --sim --out runs/capacity-live
+        --trace azure_conv_2023:0.75 --trace runs/multi_turn_chat.csv:0.75 \
+        --policies round_robin,colocated,slo_goodput --ours slo_goodput --rate 3 --max-requests 200 \
+        --capacity-steps 2 --probe-requests 120 --probe-seconds 20 --repeats 3 --realtime --sim \
+        --out runs/capacity-live-3
+
+(120-request probes: at 60, a probe at a high rate is a burst two shared cores drain, not a load;
+docs/results.md, "Live SLO capacity, priced for the shared host".)
 
 Each repeat searches every policy's capacity on each trace (`disagg bench --capacity`: the highest
 rate at which the trace's ATTAINMENT share of requests, 0.9 unless given after a ':', meet both SLO

@@ -26,7 +26,7 @@ the marginal-cost scorer silently degenerates into queue counting, which is the 
 calibration paper measured.
 
 Shared hardware (`shared_host`): where the engines do not own their devices — the CPU profile runs
-every engine's compute on one core and the serving path's Python on the host's cores beside them —
+every engine's compute on one core and the serving path's Python on every core, that one included —
 every busy engine's steps run slower than alone by one stretch factor, processor sharing:
 
     stretch = max(1, k / engine_cores) + serving_cores / cores
@@ -37,7 +37,7 @@ The engines time-share the cores they are pinned to; the serving path's threads 
 the operating system spreads them over every core, the engines' included, and each busy engine
 loses their share of its core on top (they do not wait for the cores the engines leave idle: the
 form `max(1, k / engine_cores, (k + serving_cores) / cores)`, which assumed they did, priced the CPU
-profile's latencies a third too low — docs/results.md, "Simulated vs measured").
+profile's latencies a third too low — docs/results.md, "The serving path on every core").
 Absent (one GPU per engine), the stretch is 1 and every formula above holds as it is.
 """
 

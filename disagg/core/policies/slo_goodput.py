@@ -143,9 +143,9 @@ class SloGoodput(Policy):
     Queues: on a prefill instance, the ledger's `backlog_s` (which prices each prefill at the part of
     its prompt that instance did not hold cached). On a decode instance the backlog mixes colocated
     prefill with decode work, so the policy keeps its own clock of when the colocated prefills it
-    sent there end, bounded by the backlog; with several router replicas each sees only its own colocated prefills there
-    (private state, like a round-robin cursor: fresh per replica), and its own prefills in the
-    utilization u. On a prefill instance the ledger's view counts the prefill work only: the
+    sent there end, bounded by the backlog; with several router replicas each sees only its own
+    colocated prefills there (private state, like a round-robin cursor: fresh per replica), and its
+    own prefills in the utilization u. On a prefill instance the ledger's view counts the prefill work only: the
     decodes hosted there run beside the prefills, not ahead of them (`InstanceView.hosted`).
     Cached prefixes come from `InstanceView.cached_prefix_blocks`; live views carry none, so every
     prompt is priced uncached there and the policy still works.
