@@ -50,11 +50,11 @@ What one invocation does, in this order:
    `probe_seconds`) of them, rescaled to its rate. The policies' searches advance in lockstep,
    one probe each in turn, so a slow spell of the machine does not land on one policy. Every
    probe is stored in settings.json as it ends; a resumed run replays them and probes only what
-   is missing. With `--sim` the same searches run in the simulator, with `oracle` (true output
-   lengths) beside them as the bound.
+   is missing. With `--sim` the same searches run in the simulator.
 6. `--sim`: `disagg.sim.runner.simulate` on the same slices, with `--cost-model` and the
    topology (by default the live app's instance counts, else 1P2D); its `RequestRecord`s become
-   lines of the same schema with `system: "sim"`.
+   lines of the same schema with `system: "sim"`. The simulated router knows each request's
+   output length, as the live one does: the bench's requests state it (`ignore_eos`, `max_tokens`).
 7. `disagg.bench.report` writes results.json, results.md and the PNG plots.
 
 **Resuming.** A line's key is (system, policy, trace, index). On start the harness reads the
@@ -108,6 +108,9 @@ RECORDS_FILE = "requests.jsonl"
 GATES_FILE = "gates.json"
 SETTINGS_VERSION = 1
 APP = "app"  # --cost-model app: judge with the constants the app's router prices with
+# the simulator's delay of the engines' state pushes: the live engines push at most every 5 ms
+# (`EngineConfig.push_interval_s`), and docs/multi-router.md measures the pushed state 0.7-14.5 ms old
+ENGINE_PUSH_S = 0.005
 
 
 class BenchError(Exception):
@@ -136,6 +139,7 @@ class BenchConfig:
     sim: bool = False
     cost_model: str | None = None  # a profile or YAML; None: the router's own constants live (APP), else cpu-tiny
     topology: str | None = None
+    routers: int | None = None  # the simulator's router replicas (sim-only runs; live: the app's)
     max_model_len: int | None = None  # sim-only runs; a live run reads it from GET /v1/models
     request_timeout_s: float = 300.0
     lag_bound_s: float = 0.050
@@ -177,6 +181,7 @@ class Target:
     decode: list[str]
     policy: str
     cost_model: str
+    routers: int = 1  # router replicas
 
 
 # --- the record file ---------------------------------------------------------------------------
@@ -548,7 +553,8 @@ async def probe_target(app: AsyncAppClient) -> Target:
     return Target(model=models["id"], max_model_len=max_len,
                   prefill=sorted(i for i, v in insts.items() if v.get("role") == "prefill"),
                   decode=sorted(i for i, v in insts.items() if v.get("role") == "decode"),
-                  policy=state.get("policy", "?"), cost_model=state.get("cost_model", "?"))
+                  policy=state.get("policy", "?"), cost_model=state.get("cost_model", "?"),
+                  routers=max(1, len(state.get("routers") or {})))
 
 
 async def set_policy(app: AsyncAppClient, spec: str) -> None:
@@ -738,6 +744,7 @@ class Bench:
     def _resolve_sim_only(self) -> None:
         self._resolve("max_model_len", self.cfg.max_model_len)
         self._resolve("topology", self.cfg.topology or "1P2D")
+        self._resolve("routers", self.cfg.routers or 1)
         self._plan_all()
         self._save_settings()
 
@@ -800,6 +807,7 @@ class Bench:
             self._resolve("max_model_len", target.max_model_len)
             self._resolve("model", target.model)
             self._resolve("topology", cfg.topology or f"{len(target.prefill)}P{max(1, len(target.decode))}D")
+            self._resolve("routers", target.routers)
             if self.cm is None:
                 self.cm = await router_cost_model(c, target.model)
                 self._resolve("cost_model", cost_model_key(self.cm))
@@ -932,8 +940,14 @@ class Bench:
         self.log(f"  probe {t.name} {policy} at {rate:.3f} req/s, {n} requests: {got:.3f} met their SLO")
         return got
 
+    def _as_the_app(self) -> dict:
+        """How the simulator runs the app the bench measures: its router replicas, each seeing the
+        engines' state as they push it (`ENGINE_PUSH_S` after a change), and routing with each
+        request's output length, which the bench's requests state (`ignore_eos`, `max_tokens`)."""
+        return {"routers": self.resolved.get("routers") or 1, "push_s": ENGINE_PUSH_S, "known_output": True}
+
     def _sim_capacity(self) -> None:
-        """The same searches in the simulator, `oracle` (true output lengths) added as the bound."""
+        """The same searches in the simulator."""
         from disagg.sim.runner import find_capacity
         from disagg.sim.simulator import Topology
 
@@ -944,12 +958,12 @@ class Bench:
             start = self.cfg.rate or own_rate(pool)
             pool, _, _ = fit_to_context(pool, self.resolved.get("max_model_len"))  # as the live probes are
             probe = self._capacity_probe_slice(pool, start)  # the live probes' requests, not the whole pool
-            for policy in (*self.cfg.policies, *(() if "oracle" in self.cfg.policies else ("oracle",))):
+            for policy in self.cfg.policies:
                 if policy in out.get(t.name, {}):
                     continue
                 found = find_capacity(rescale_to_rate(probe, start), self.cm, topology, policy,
                                       attainment=self.cfg.capacity, steps=self.cfg.capacity_steps,
-                                      tight_share=self.cfg.tight_share, seed=self.cfg.seed)
+                                      tight_share=self.cfg.tight_share, seed=self.cfg.seed, **self._as_the_app())
                 out.setdefault(t.name, {})[policy] = found
                 self._save_settings()
 
@@ -1006,7 +1020,8 @@ class Bench:
                 if len(done) >= len(s):
                     continue
                 bar = self.progress(len(s), f"sim {policy[:7]}/{t.name[:8]}")
-                _, result = simulate(s, self.cm, topology, policy, seed=self.cfg.seed, progress=bar)
+                _, result = simulate(s, self.cm, topology, policy, seed=self.cfg.seed, progress=bar,
+                                     **self._as_the_app())
                 rate = self.slice_info[t.name]["rate"]
                 for r in sorted(result.records, key=lambda r: int(r.request_id[1:])):
                     rec = sim_record(r, policy=policy, trace=t.name, rate=rate, slice_=s)

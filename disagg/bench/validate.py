@@ -330,7 +330,8 @@ def resimulate(measured: Path, cost_model: str, out: Path, log: Callable[[str], 
         log(f"{rate:g} req/s: the simulator with {cost_model} on {topology} → {path}")
         run_bench(BenchConfig(out=path, traces=tuple(settings["traces"]), policies=tuple(settings["policies"]),
                               rate=rate, max_requests=settings["max_requests"], seed=settings["seed"], sim=True,
-                              cost_model=str(constants), topology=topology, max_model_len=context), log=log)
+                              cost_model=str(constants), topology=topology, routers=resolved.get("routers"),
+                              max_model_len=context), log=log)
         sims[rate] = path
     report = summarize(runs, within, sims)
     report["settings"] = {**settings, "cost_model": cost_model, "measured": str(measured)}

@@ -118,6 +118,8 @@ class Ledger:
         p.backlog_s = max(0.0, p.backlog_s - e.prefill_work_s)
         if e.prefill_id != e.decode_id:
             p.queued -= 1
+            if not p.queued:
+                p.backlog_s = 0.0  # idle: exactly, as in `finish`
         p.view = None
 
     def finish(self, request_id: str) -> None:
@@ -132,6 +134,10 @@ class Ledger:
         if e.prefill_id == e.decode_id:
             d.hosted -= 1
             d.hosted_decode_s = max(0.0, d.hosted_decode_s - e.decode_work_s) if d.hosted else 0.0
+        if not d.queued:
+            # nothing left here: exactly no backlog, not the rounding left of adding and subtracting the
+            # works in another order (an idle instance must look idle: `slo_goodput` counts busy engines)
+            d.backlog_s = 0.0
         d.view = None
 
     def forget_instance(self, instance_id: str) -> list[str]:

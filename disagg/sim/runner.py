@@ -85,6 +85,7 @@ def simulate(
     startup_s: float = 60.0,
     push_s: float | None = None,
     slo_scale: float | None = None,
+    known_output: bool = False,
 ) -> tuple[dict, SimResult]:
     """One policy through the simulator (`policy_name` may carry parameters: `parse_policy_spec`;
     `policy_params` add to them). `router_cost_model` lets the router believe other
@@ -92,8 +93,10 @@ def simulate(
     share the arrivals in turn; `others_totals=False` hides the engines' received-call ledgers
     from them, `peer_notify_s` adds the routers' notices to each other, `push_s` replaces the polls
     with the engines' pushes, seen that long after each change; `slo_scale` judges each request
-    by that many times its own unloaded latency instead of its class's targets (see `Simulator`). With a
-    `scaler` the pools' widths change (disagg.sim.autoscaling), `topology` being each pool's most."""
+    by that many times its own unloaded latency instead of its class's targets, `known_output` routes
+    with each request's true output length as the live router routes the bench's requests (see
+    `Simulator`). With a `scaler` the pools' widths change (disagg.sim.autoscaling), `topology`
+    being each pool's most."""
     name, spec_params = parse_policy_spec(policy_name)  # a name, or NAME:key=value...
     policy = build_policy(name, router_cost_model or cost_model, {**spec_params, **(policy_params or {})})
     predictor = BucketMeanPredictor()
@@ -101,7 +104,7 @@ def simulate(
         predictor = NoisyPredictor(predictor, predictor_error, seed=seed)
     sim = Simulator(cost_model, topology, policy, predictor, poll_interval_s=poll_interval_s, routers=routers,
                     others_totals=others_totals, peer_notify_s=peer_notify_s, scaler=scaler, startup_s=startup_s,
-                    push_s=push_s, slo_scale=slo_scale)
+                    push_s=push_s, slo_scale=slo_scale, known_output=known_output)
     trace, capped = clamp_to_context(trace, cost_model.engine.kv_capacity_tokens)
     result = sim.run(trace, progress=progress)
     summary = summarize(result.records, result.instance_tokens)
@@ -241,8 +244,11 @@ def find_capacity(
     routers: int = 1,
     max_doublings: int = CAPACITY_MAX_DOUBLINGS,
     slo_scale: float | None = None,
+    known_output: bool = False,
+    push_s: float | None = None,
 ) -> dict:
-    """One policy's SLO capacity on `trace` (module doc), starting from the trace's own mean rate."""
+    """One policy's SLO capacity on `trace` (module doc), starting from the trace's own mean rate;
+    `known_output` and `push_s` as in `simulate`."""
     stats = trace_stats(trace) if trace else {"mean_rate": 0.0}
     if stats["mean_rate"] <= 0:
         raise ValueError("the capacity search needs a trace of at least 2 requests arriving at different times")
@@ -250,7 +256,7 @@ def find_capacity(
     def attained(rate: float) -> float:
         t = prepare_trace(trace, rate, tight_share, seed)
         summary, _ = simulate(t, cost_model, topology, policy_name, predictor_error=predictor_error, seed=seed,
-                              routers=routers, slo_scale=slo_scale)
+                              routers=routers, slo_scale=slo_scale, known_output=known_output, push_s=push_s)
         return summary["goodput"]
 
     search = capacity_steps(stats["mean_rate"], attainment, steps, max_doublings)

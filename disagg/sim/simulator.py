@@ -54,6 +54,11 @@ peer `peer_notify_s` later and counts in its view of that instance until the pee
 it, whose totals then include the call. This closes the gap the polls leave — the calls sent since
 the last poll — which is what costs goodput with 50 ms polls (docs/multi-router.md).
 
+Output lengths: the router predicts each request's from the predictor, as production requests
+carry none; with `known_output` it takes the trace's, as the live router does for the bench's
+requests (`ignore_eos` with `max_tokens` = that length, so it predicts `max_tokens`): a simulation
+of a bench run sees what the live router saw.
+
 Prefix caches (`PrefixCache`, one per instance): only requests that carry prefix-block hashes
 (`TraceRequest.prefix_hashes`) use them; a request without hashes runs exactly as if they did not
 exist. When a request's prefill is admitted to an instance, the leading blocks of its prompt cached
@@ -179,6 +184,7 @@ class Simulator:
         startup_s: float = 60.0,
         push_s: float | None = None,
         slo_scale: float | None = None,
+        known_output: bool = False,
     ) -> None:
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
@@ -193,6 +199,9 @@ class Simulator:
         if slo_scale is not None and not (slo_scale > 0 and math.isfinite(slo_scale)):
             raise ValueError(f"slo_scale must be None (class targets) or a finite number > 0, got {slo_scale!r}")
         self.slo_scale = slo_scale  # targets: this many times each request's own unloaded TTFT and TPOT
+        # the requests state their output length (`ignore_eos` with `max_tokens` = it, as the bench
+        # sends them): the router takes it as its prediction, as the live one does
+        self.known_output = known_output
         self.cm = cost_model
         self.topology = topology
         self.policy = policy
@@ -460,7 +469,7 @@ class Simulator:
         # the loop's most used attributes, as locals (bound methods included: one lookup per run)
         engines, step_epoch, ledgers, predictors = self.engines, self._step_epoch, self.ledgers, self.predictors
         refresh, poke = self._refresh, self._poke
-        slo_scale = self.slo_scale
+        slo_scale, known_output = self.slo_scale, self.known_output
         fleet, signals, control = self.fleet, self.signals, self._control
         if self.scaler is not None and self.scaler.interval_s is not None:
             self._push_control(self.scaler.interval_s, _TICK, ("tick",))
@@ -545,7 +554,7 @@ class Simulator:
                 slo = r.slo_class or default_slo
                 if signals is not None:
                     signals.arrived(r.prompt_tokens, slo)
-                predicted = predictors[k].predict(r.prompt_tokens, slo)
+                predicted = r.output_tokens if known_output else predictors[k].predict(r.prompt_tokens, slo)
                 rid = f"r{i}"
                 if slo_scale is None:
                     feats = RequestFeatures(rid, r.prompt_tokens, predicted, slo, r.output_tokens, r.prefix_hashes)

@@ -461,13 +461,14 @@ def test_live_capacity_search_probes_every_policy_in_turn_and_a_rerun_replays_it
 
 def test_the_simulated_capacity_search_sends_the_live_probes_requests(tmp_path, monkeypatch):
     """`--sim` beside `--capacity`: the simulator searches with the requests every live probe sends
-    (max(probe_requests, start rate × probe_seconds) from the trace's start), not the whole slice."""
+    (max(probe_requests, start rate × probe_seconds) from the trace's start), not the whole slice,
+    and routes them knowing their output lengths as the live router does."""
     import disagg.sim.runner as runner
 
     searched = []
 
     def search(trace, cost_model, topology, policy, **kw):
-        searched.append((policy, len(trace)))
+        searched.append((policy, len(trace), kw["known_output"]))
         return {"capacity_rps": 1.0, "bracket": [1.0, 2.0], "bracketed": True, "probes": [[1.0, 1.0]],
                 "attainment": kw["attainment"]}
 
@@ -476,7 +477,8 @@ def test_the_simulated_capacity_search_sends_the_live_probes_requests(tmp_path, 
     cfg = BenchConfig(out=tmp_path / "out", traces=(str(trace),), policies=("round_robin",), capacity=0.9,
                       capacity_steps=2, probe_requests=4, probe_seconds=0.5, gates=False, sim=True)
     run_bench(cfg)
-    assert searched == [("round_robin", 5), ("oracle", 5)]  # max(4, 10 req/s × 0.5 s), not the pool's 30
+    # max(4, 10 req/s × 0.5 s), not the pool's 30; with the output lengths the live requests state
+    assert searched == [("round_robin", 5, True)]
 
 
 def test_capacity_is_checked_before_anything_is_sent(tmp_path):

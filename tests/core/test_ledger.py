@@ -192,6 +192,24 @@ def test_forget_prefill_instance_returns_only_requests_still_prefilling_there():
     assert _totals(led, "d1")[:2] == (approx(0.0), 0)
 
 
+def test_an_instance_with_nothing_left_has_exactly_no_backlog():
+    """Works added and removed in another order leave float rounding (0.1 + 0.2 − 0.1 − 0.2 ≠ 0);
+    an idle instance must show exactly 0, or a policy counting busy engines sees it busy."""
+    led = Ledger()
+    _admit(led, "a", pw=0.1, dw=0.7)
+    _admit(led, "b", pw=0.2, dw=0.3)
+    _admit(led, "h", p="p0", d="p0", pw=0.3, dw=0.6)  # hosted on the prefill instance
+    assert led.backlog_s("p0") > 0 and led.backlog_s("d0") > 0
+    for rid in ("a", "b"):
+        led.prefill_done(rid)
+    assert led.backlog_s("p0") > 0  # the hosted request is still there
+    for rid in ("a", "h", "b"):
+        led.finish(rid)
+    assert led.backlog_s("p0") == 0.0 and led.backlog_s("d0") == 0.0
+    assert led.view("p0", Role.PREFILL, ZERO_POLL).backlog_s == 0.0
+    assert led.view("d0", Role.DECODE, ZERO_POLL).backlog_s == 0.0
+
+
 def test_memory_is_bounded_after_many_cycles():
     led = Ledger()
     instances = [("p0", "d0"), ("p1", "d1"), ("d2", "d2")]
@@ -212,8 +230,7 @@ def test_memory_is_bounded_after_many_cycles():
     assert len(led) == 0
     for iid in ("p0", "p1", "d0", "d1", "d2"):
         b, q, kv = _totals(led, iid)
-        assert b == approx(0.0, abs=1e-9)
-        assert q == 0 and kv == 0
+        assert b == 0.0 and q == 0 and kv == 0  # exactly: no rounding left of ten thousand sums
     assert len(led._totals) == 5  # one small record per instance, none per request
     assert len(led._entries) == 0
 

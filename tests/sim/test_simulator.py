@@ -151,6 +151,16 @@ def test_same_seed_same_result_and_other_seed_differs(cm):
     assert strip(a) != strip(c)  # the seed draws the SLO classes
 
 
+def test_known_output_lengths_are_what_the_router_prices_with(cm):
+    """With `known_output` the router predicts each request's true output length (the bench's
+    requests state it, as the live router sees), else the predictor's bucket means."""
+    trace = prepare_trace(generate("short_chat", 60, rate=8.0, seed=3), None, 0.5, 3)
+    _, told = simulate(trace, cm, Topology(1, 2), "marginal_cost", known_output=True)
+    _, guessed = simulate(trace, cm, Topology(1, 2), "marginal_cost")
+    assert all(r.predicted_output_tokens == r.output_tokens for r in told.records)
+    assert sum(r.predicted_output_tokens != r.output_tokens for r in guessed.records) > 30
+
+
 def test_prompt_beyond_every_kv_capacity_is_a_counted_failure(cm):
     huge = cm.engine.kv_capacity_tokens + 10
     trace = [TraceRequest(0.0, 100, 5), TraceRequest(0.1, huge, 5), TraceRequest(0.2, 100, 5)]
