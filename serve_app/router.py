@@ -35,6 +35,7 @@ request log carry the whole choice.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
@@ -196,6 +197,11 @@ class Router:
         self._lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run(busy=lambda: len(self.ledger) > 0))
         self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
         self._share_task = asyncio.get_running_loop().create_task(self._share_prefixes())
+        # the admin changes applied here since the config (policy, cost model): the latest per (op, model),
+        # in the order they came (`_remember`), which a replica starting later replays
+        self._admin_changes: dict[tuple[str, str | None], bytes] = {}
+        self._adopt_task = None if self._peers is None else \
+            asyncio.get_running_loop().create_task(self._adopt_admin_changes())
         self.last_plan: dict | None = None  # the planner's latest plan (rank 0 only)
         self._plan_task = None
         if rank == 0 and not self.alias and (planned := rc.planned_pools(views[next(iter(views))].pools())):
@@ -217,7 +223,8 @@ class Router:
         """Stop the engines' state streams and polls, measuring the loop's lag, exporting metrics and
         sharing prefix records (in-process tests drive the first two themselves)."""
         self.registry.stop()
-        for task in (self._poll_task, self._lag_task, self._metrics_task, self._share_task, self._plan_task):
+        for task in (self._poll_task, self._lag_task, self._metrics_task, self._share_task, self._plan_task,
+                     self._adopt_task):
             if task is not None:
                 task.cancel()
 
@@ -398,7 +405,9 @@ class Router:
         """This replica's id, counters and requests in flight: `/admin/state` on any replica sums them."""
         return {"router": self.router_id, "counters": asdict(self.counters), "in_flight": len(self.ledger),
                 "pid": os.getpid(), "loop_lag_s": self.loop_lag.lag_s, "loop_lag_peak_s": self.loop_lag.peak_s,
-                "plan": self.last_plan, "state_pushes": self.registry.pushes}
+                "plan": self.last_plan, "state_pushes": self.registry.pushes,
+                "policies": {name: m.policy.name for name, m in self.served.items()},
+                "cost_models": {name: m.cost_model.name for name, m in self.served.items()}}
 
     @fastapi_app.post("/admin/policy")
     async def admin_policy(self, request: Request) -> Response:
@@ -433,7 +442,39 @@ class Router:
     async def apply_admin(self, op: str, raw_body: bytes) -> str:
         """Apply an admin change another router replica validated (see `_admin_change`)."""
         getattr(self.admin, op)(raw_body)
+        self._remember(op, raw_body)
         return self.router_id
+
+    def _remember(self, op: str, raw_body: bytes) -> None:
+        """Keep an applied admin change, replacing the earlier one of its kind: replaying the latest of
+        each (op, model) in their order ends in the same state as replaying them all."""
+        key = (op, json.loads(raw_body).get("model"))
+        self._admin_changes.pop(key, None)
+        self._admin_changes[key] = raw_body
+
+    async def admin_changes(self) -> tuple[str, list[tuple[str, bytes]]]:
+        """(this replica's id, the admin changes it applied since the config, in order)."""
+        return self.router_id, [(op, body) for (op, _), body in self._admin_changes.items()]
+
+    async def _adopt_admin_changes(self) -> None:
+        """A replica that starts beside others (Serve replaced one, or scaled the routers up) applies
+        the admin changes they applied since the config — the policy, the cost model `make run`
+        fitted — so no replica routes by the config's rules while the others route by newer ones."""
+        try:
+            replies = await self._peers.broadcast("admin_changes").results_async(
+                timeout_s=ADMIN_TIMEOUT_S, return_exceptions=True)
+            peers = [changes for reply in replies if not isinstance(reply, BaseException)
+                     and (changes := reply[1]) is not None and reply[0] != self.router_id]
+            theirs = max(peers, key=len, default=[])
+            if self._admin_changes or not theirs:  # a change reached us meanwhile: it is newer than theirs
+                return
+            for op, raw_body in theirs:
+                getattr(self.admin, op)(raw_body)
+                self._remember(op, raw_body)
+            logger.info("router %s: applied its peers' %d admin changes", self.router_id, len(theirs))
+        except Exception as e:  # it then routes with the config's settings: say so
+            logger.warning("router %s: could not take its peers' admin changes (%s: %s); it routes with the "
+                           "config's policy and cost model", self.router_id, type(e).__name__, e)
 
     async def _admin_change(self, op: str, raw_body: bytes, done: dict | None = None) -> Response:
         """Validate and apply here (a 400 changes nothing anywhere), then on every router replica:
@@ -443,6 +484,7 @@ class Router:
             out = {**(done or {}), **getattr(self.admin, op)(raw_body)}
         except ApiError as e:
             return _error(e)
+        self._remember(op, raw_body)
         applied, failed = {self.router_id}, []
         if self._peers is not None:
             for reply in await self._peers.broadcast("apply_admin", op, raw_body).results_async(

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from factories import DISAGGREGATING_POLICY  # noqa: E402
 from unprovoked import UNPROVOKED, unprovoked_failures  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,7 +18,10 @@ def stack(tmp_path_factory):
     from serve_app.launch import LocalStack, engine_processes, runtime_dir, vllm_temp_files
 
     if os.environ.get("DISAGG_STACK_URL"):  # develop against a stack already up (`make run`)
-        yield SimpleNamespace(base_url=os.environ["DISAGG_STACK_URL"], run_dir=Path.cwd(), host_fit=None)
+        url = os.environ["DISAGG_STACK_URL"]
+        shipped = _admin_state(url)["policy"]
+        _set_policy(url, DISAGGREGATING_POLICY)
+        yield SimpleNamespace(base_url=url, run_dir=Path.cwd(), host_fit=None, shipped_policy=shipped)
         return
     run_dir = tmp_path_factory.mktemp("stack")
     os.environ["DISAGG_RUN_DIR"] = str(run_dir)  # where the router writes its request log
@@ -31,6 +35,11 @@ def stack(tmp_path_factory):
         # what `make run` does next: the routers price with constants fitted on this machine, and a
         # bench judges against them (a shipped profile describes another host)
         [(s.host_fit, _)] = s.fit_host()
+        # the serving-path tests drive the disaggregated path (prefill, NIXL hand-off, decode), which the
+        # shipped default takes only where it prices fewer misses: they run with a policy that always
+        # disaggregates; tests of the shipped default set it themselves (test_serving.py)
+        s.shipped_policy = s.initial_state["policy"]
+        _set_policy(s.base_url, DISAGGREGATING_POLICY)
         yield s
         _assert_nothing_failed_unprovoked(s)
     # a stop that had to force anything would kill engines mid-drain in a cluster's rolling restart
@@ -38,6 +47,13 @@ def stack(tmp_path_factory):
     # every engine kept its IPC sockets in the stack's runtime folder, and the folder went with the stop
     assert not runtime_dir(s.stack_id).exists()
     assert not vllm_temp_files() - sockets_before, "engines left files in the system temp folder"
+
+
+def _set_policy(base_url: str, name: str) -> None:
+    from disagg.app_client import AppClient
+
+    with AppClient(base_url) as app:
+        app.set_policy(name)
 
 
 def _admin_state(base_url: str) -> dict:

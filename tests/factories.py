@@ -350,13 +350,18 @@ class _PinnedMethod:
 
 def shipped_args(config: str = "local.yaml", **router: Any) -> dict:
     """A shipped Serve config's application args (a fresh copy), the router's settings updated by
-    `router` and its request log off unless given."""
+    `router`, its request log off and its policy `marginal_cost` unless given: the tests that build
+    a router from it drive the disaggregated path (prefill call, KV hand-off, decode call), which the
+    shipped default (`slo_goodput`) takes only where it prices fewer misses."""
     import yaml
 
     path = Path(__file__).resolve().parents[1] / "deployments" / config
     args = yaml.safe_load(path.read_text())["applications"][0]["args"]
-    args["router"] = {**args["router"], "request_log": None, **router}
+    args["router"] = {**args["router"], "request_log": None, "policy": DISAGGREGATING_POLICY, **router}
     return args
+
+
+DISAGGREGATING_POLICY = "marginal_cost"  # always a prefill instance and another, decode, instance
 
 
 async def in_process_router(prefill: Any, decode: Any, args: dict, pools: dict | None = None, *,

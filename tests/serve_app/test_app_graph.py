@@ -47,11 +47,13 @@ def test_cpu_profile_graph_fits_two_cores():
     assert all(d.ray_actor_options.get("num_gpus", 0) == 0 for d in (prefill, decode))
 
 
-@pytest.mark.parametrize("file", ["disagg.yaml", "local.yaml", "local-2p2d.yaml", "local-autoscale.yaml",
-                                  "local-2node.yaml"])
-def test_shipped_configs_validate(file):
+@pytest.mark.parametrize("file, policy", [
+    ("disagg.yaml", "slo_goodput"), ("local.yaml", "slo_goodput"), ("local-2p2d.yaml", "slo_goodput"),
+    # these need every request disaggregated: the planner sizes pools so, 2node proves the cross-node hand-off
+    ("local-autoscale.yaml", "marginal_cost"), ("local-2node.yaml", "marginal_cost")])
+def test_shipped_configs_validate(file, policy):
     (name, cfg), = load_serve_config(ROOT / "deployments" / file)
-    assert cfg.router.policy == "marginal_cost"
+    assert cfg.router.policy == policy  # the live SLO capacity's winner where nothing needs disaggregation
 
 
 @pytest.mark.parametrize("mutate, field", [

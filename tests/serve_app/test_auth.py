@@ -39,6 +39,7 @@ MODEL = "tiny-qwen2"
 KEYS_VAR, TOKEN_VAR = "DISAGG_TEST_API_KEYS", "DISAGG_TEST_ADMIN_TOKEN"
 KEY_ONE, KEY_TWO = "sk-test-0123456789abcdef", "sk-test-fedcba9876543210-second"
 ADMIN_TOKEN = "adm-test-5f2c9e71b0d84a36"
+ROUTER_POLICY = shipped_args()["router"]["policy"]  # what a refused admin change must leave in place
 SECRETS = (KEY_ONE, KEY_TWO, ADMIN_TOKEN)
 
 OPENAI_ROUTES = [  # (method, path, a valid body)
@@ -295,7 +296,7 @@ def test_admin_disabled_answers_404_like_an_unknown_path(keys):
     for path, resp in out:
         body = _assert_error(resp, 404, "not_found_error", None, path)
         assert path in body["error"]["message"]  # the same words as any unknown path
-    assert r.admin.state()["policy"] == "marginal_cost"
+    assert r.admin.state()["policy"] == ROUTER_POLICY
 
 
 @pytest.mark.parametrize("client, allowed", [
@@ -319,7 +320,7 @@ def test_admin_loopback_serves_only_loopback_clients(client, allowed):
             assert resp.status_code == 200, (client, path, resp.text)
         else:
             _assert_error(resp, 403, "permission_error", None, f"{client} {path}")
-    assert r.admin.state()["policy"] == ("round_robin" if allowed else "marginal_cost")
+    assert r.admin.state()["policy"] == ("round_robin" if allowed else ROUTER_POLICY)
 
 
 def test_admin_loopback_does_not_believe_forwarded_headers():

@@ -6,7 +6,7 @@ tests/entrypoints/openai/, replayed) against the running stack, once per topolog
 - colocated: policy `colocated`, a decode engine prefilling locally.
 
 The policy is switched once per topology (a module-scoped fixture, so all cases of one topology run
-together) and `marginal_cost`, the CPU profile's, is restored at the end. The router must answer what
+together) and the one the stack ran with is restored at the end. The router must answer what
 vLLM 0.32 answers, in both.
 """
 
@@ -20,7 +20,6 @@ from conformance_cases import CASES, Live
 pytestmark = pytest.mark.stack
 
 TOPOLOGIES = {"disaggregated": "marginal_cost", "colocated": "colocated"}
-RESTORED_POLICY = "marginal_cost"
 TIMEOUT = httpx.Timeout(120.0)
 
 
@@ -34,11 +33,14 @@ def live(request, stack):
     topology, policy = request.param, TOPOLOGIES[request.param]
     with httpx.Client(base_url=stack.base_url, timeout=TIMEOUT) as http, \
             openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", timeout=120, max_retries=0) as sdk:
+        r = http.get("/admin/state")
+        assert r.status_code == 200, r.text
+        before = r.json()
         set_policy(http, policy)
         try:
             yield Live(sdk=sdk, http=http, topology=topology, policy=policy)
         finally:
-            set_policy(http, RESTORED_POLICY)
+            set_policy(http, before["policy"], before["policy_params"])
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

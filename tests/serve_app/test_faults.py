@@ -310,6 +310,16 @@ def test_a_router_replica_killed_mid_stream_ends_its_streams_and_comes_back_with
         time.sleep(1)
     else:
         raise AssertionError(f"the router replica was not replaced with the engines in view: {s}")
+    # the replacement took the admin changes its peer applied since the config (the suite's policy,
+    # the constants fitted at start): every replica routes by the same rules
+    expected, deadline = (dying["policies"], dying["cost_models"]), time.monotonic() + 10
+    while True:
+        s = state(client)
+        same = all((r["policies"], r["cost_models"]) == expected for r in s["routers"].values())
+        if same or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert same, f"the replicas route by other rules than the dead one: {s['routers']}"
     after = wait_until_idle(client)
     # the dead replica's counters left the sums with it: so do the faults counted there
     for k in stack.provoked:

@@ -175,3 +175,42 @@ def test_a_replica_whose_stream_breaks_and_misses_the_next_poll_is_dropped_at_on
 
     ids, lost = asyncio.run(asyncio.wait_for(scenario(), 20))
     assert lost == 1 and not any(i.endswith("d1") for i in ids), ids
+
+
+class _Peers:
+    """Serve's `DeploymentHandle.broadcast(method).results_async(...)` over in-process routers."""
+
+    def __init__(self, routers: list[Router]):
+        self.routers = routers
+
+    def broadcast(self, method: str, *args):
+        routers = self.routers
+
+        class _Replies:
+            async def results_async(self, timeout_s: float, return_exceptions: bool):
+                return [await getattr(r, method)(*args) for r in routers]
+        return _Replies()
+
+
+def test_a_replica_starting_beside_others_routes_by_their_admin_changes():
+    """Serve replaces a router replica (or adds one): it starts from the config, then takes the
+    policy and cost model its peers were switched to since, so no replica routes by older rules.
+    Each kind of change is kept once, the latest."""
+
+    async def scenario():
+        prefill, decode = _Engines(Role.PREFILL, ["p0"]), _Engines(Role.DECODE, ["d0", "d1"])
+        old = await _router(prefill, decode)
+        for name in ("least_loaded", "slo_goodput", "round_robin"):
+            reply = await old._admin_change("set_policy", json.dumps({"name": name}).encode())
+            assert reply.status_code == 200, reply.body
+        await old._admin_change("set_cost_model", json.dumps({"cost_model": "a40"}).encode())
+        new = await _router(prefill, decode)
+        assert new.admin.state()["policy"] == "marginal_cost"  # the config's
+        new._peers = _Peers([old, new])
+        await new._adopt_admin_changes()
+        kept = (await old.admin_changes())[1]
+        return new.admin.state(), old.admin.state(), kept
+
+    new, old, kept = asyncio.run(scenario())
+    assert (new["policy"], new["cost_model"]) == (old["policy"], old["cost_model"]) == ("round_robin", "a40-qwen2.5-3b")
+    assert [op for op, _ in kept] == ["set_policy", "set_cost_model"]

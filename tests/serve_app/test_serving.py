@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from disagg.bench.sse import DONE, sse_data
-from factories import stream_text, stream_token_ids, tiny_tokenizer
+from factories import DISAGGREGATING_POLICY, stream_text, stream_token_ids, tiny_tokenizer
 
 pytestmark = pytest.mark.stack
 MODEL = "tiny-qwen2"
@@ -84,6 +85,30 @@ def test_completion_with_usage_and_route_header(client):
     # the router's: reading and rendering the request, then routing to the first token, which holds both engines'
     assert 0 < float(rt["intake_s"]) < 5
     assert float(rt["router_first_s"]) >= float(rt["prefill_engine_s"]) + float(rt["decode_engine_first_s"])
+
+
+def test_the_shipped_policy_prices_the_fitted_host_live(client, stack):
+    """The shipped default (`slo_goodput`, deployments/local.yaml) with the constants `make run` fits
+    at start, its shared host included: every placement priced at the host's stretch, each request
+    served where it was routed (no fallback), whole on one engine or disaggregated over NIXL."""
+    assert stack.shipped_policy == "slo_goodput"
+    constants = next(iter(state(client)["models"].values()))["cost_model_constants"]
+    assert constants["shared_host"] is not None  # the fit's host terms: the pricing under test
+    set_policy(client, stack.shipped_policy)
+    try:
+        prompts = [f"Request {i} shares two cores with its neighbours. " * (2 + 6 * i) for i in range(6)]
+        with ThreadPoolExecutor(3) as pool:  # three at a time: engines busy while others are decided
+            resps = list(pool.map(lambda p: complete(client, p, max_tokens=8, ignore_eos=True), prompts))
+    finally:
+        set_policy(client, DISAGGREGATING_POLICY)
+    roles = {k: v["role"] for k, v in state(client)["instances"].items()}
+    for r in resps:
+        assert r.json()["usage"]["completion_tokens"] == 8
+        rt = route(r)
+        assert rt["policy"] == "slo_goodput"
+        assert (rt["served_prefill"], rt["served_decode"]) == (rt["prefill"], rt["decode"])
+        assert roles[rt["decode"]] == "decode" or rt["decode"] == rt["prefill"]  # or hosted on a prefill engine
+        assert rt["prefill"] == rt["decode"] or roles[rt["prefill"]] == "prefill"
 
 
 def test_the_handoff_goes_over_nixl(client):
