@@ -53,8 +53,9 @@ What one invocation does, in this order:
    is missing. With `--sim` the same searches run in the simulator.
 6. `--sim`: `disagg.sim.runner.simulate` on the same slices, with `--cost-model` and the
    topology (by default the live app's instance counts, else 1P2D); its `RequestRecord`s become
-   lines of the same schema with `system: "sim"`. The simulated router knows each request's
-   output length, as the live one does: the bench's requests state it (`ignore_eos`, `max_tokens`).
+   lines of the same schema with `system: "sim"`. The simulator runs the app the bench measures
+   (`Bench._as_the_app`): its router replicas, the engines' state pushed, and each request's
+   output length known, as the live router knows it from the bench's `ignore_eos` and `max_tokens`.
 7. `disagg.bench.report` writes results.json, results.md and the PNG plots.
 
 **Resuming.** A line's key is (system, policy, trace, index). On start the harness reads the

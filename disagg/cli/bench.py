@@ -82,7 +82,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--trace", action="append", required=True,
                        help="trace file or name in $DISAGG_TRACE_DIR; repeat (or comma-separate) for several")
     bench.add_argument("--format", default="auto", help="azure|mooncake|burstgpt|native|auto (default)")
-    bench.add_argument("--policies", default="round_robin,least_loaded,length_heuristic,marginal_cost",
+    bench.add_argument("--policies", default="round_robin,colocated,marginal_cost,slo_goodput",
                        help=f"comma-separated NAME or NAME:key=value[:key=value]; known: {','.join(known_policies())}")
     brate = bench.add_mutually_exclusive_group()
     brate.add_argument("--rate", type=float, help="rescale each trace slice to this mean arrival rate (req/s)")

@@ -45,8 +45,8 @@ class SloGoodputParams(Params):
     )
     allow_colocated: bool = Field(default=True, description="may prefill on the chosen decode instance")
     allow_hosted: bool = Field(default=True, description="may serve a request whole (prefill and decode) on a "
-                                                        "prefill instance, when the decode pool is the limit; "
-                                                        "off where engines share cores (the CPU profile)")
+                                                        "prefill instance where that prices fewer misses: the "
+                                                        "decode pool is the limit, or engines share cores")
     utilization_window_s: float = Field(
         default=5.0, gt=0.0, allow_inf_nan=False,
         description="time constant of the prefill utilization each prefill instance is judged by when it "
