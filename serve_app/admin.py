@@ -55,6 +55,22 @@ class Admin:
         self.counters = counters
         self.alias = alias
         self.lam = lam
+        # the changes applied since the config (`apply`): the latest per (op, model), in the order they came
+        self._changes: dict[tuple[str, str | None], bytes] = {}
+
+    def apply(self, op: str, raw_body: bytes) -> dict:
+        """Apply a change (`set_policy` or `set_cost_model`) and keep it, replacing the earlier one of
+        its kind: replaying the latest of each (op, model) in their order ends in the same state as
+        replaying them all, which is how a router replica starting later catches up (`changes`)."""
+        out = getattr(self, op)(raw_body)
+        key = (op, json.loads(raw_body).get("model"))
+        self._changes.pop(key, None)
+        self._changes[key] = raw_body
+        return out
+
+    def changes(self) -> list[tuple[str, bytes]]:
+        """The changes applied since the config, as (op, body), in order."""
+        return [(op, body) for (op, _), body in self._changes.items()]
 
     def state(self) -> dict:
         first = next(iter(self.models.values()))  # the one-model fields predate several models

@@ -35,7 +35,6 @@ request log carry the whole choice.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
@@ -197,9 +196,6 @@ class Router:
         self._lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run(busy=lambda: len(self.ledger) > 0))
         self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
         self._share_task = asyncio.get_running_loop().create_task(self._share_prefixes())
-        # the admin changes applied here since the config (policy, cost model): the latest per (op, model),
-        # in the order they came (`_remember`), which a replica starting later replays
-        self._admin_changes: dict[tuple[str, str | None], bytes] = {}
         self._adopt_task = None if self._peers is None else \
             asyncio.get_running_loop().create_task(self._adopt_admin_changes())
         self.last_plan: dict | None = None  # the planner's latest plan (rank 0 only)
@@ -441,20 +437,12 @@ class Router:
 
     async def apply_admin(self, op: str, raw_body: bytes) -> str:
         """Apply an admin change another router replica validated (see `_admin_change`)."""
-        getattr(self.admin, op)(raw_body)
-        self._remember(op, raw_body)
+        self.admin.apply(op, raw_body)
         return self.router_id
 
-    def _remember(self, op: str, raw_body: bytes) -> None:
-        """Keep an applied admin change, replacing the earlier one of its kind: replaying the latest of
-        each (op, model) in their order ends in the same state as replaying them all."""
-        key = (op, json.loads(raw_body).get("model"))
-        self._admin_changes.pop(key, None)
-        self._admin_changes[key] = raw_body
-
     async def admin_changes(self) -> tuple[str, list[tuple[str, bytes]]]:
-        """(this replica's id, the admin changes it applied since the config, in order)."""
-        return self.router_id, [(op, body) for (op, _), body in self._admin_changes.items()]
+        """(this replica's id, the admin changes it applied since the config, in order: `Admin.changes`)."""
+        return self.router_id, self.admin.changes()
 
     async def _adopt_admin_changes(self) -> None:
         """A replica that starts beside others (Serve replaced one, or scaled the routers up) applies
@@ -463,14 +451,12 @@ class Router:
         try:
             replies = await self._peers.broadcast("admin_changes").results_async(
                 timeout_s=ADMIN_TIMEOUT_S, return_exceptions=True)
-            peers = [changes for reply in replies if not isinstance(reply, BaseException)
-                     and (changes := reply[1]) is not None and reply[0] != self.router_id]
+            peers = [reply[1] for reply in replies if not isinstance(reply, BaseException) and reply[0] != self.router_id]
             theirs = max(peers, key=len, default=[])
-            if self._admin_changes or not theirs:  # a change reached us meanwhile: it is newer than theirs
+            if self.admin.changes() or not theirs:  # a change reached us meanwhile: it is newer than theirs
                 return
             for op, raw_body in theirs:
-                getattr(self.admin, op)(raw_body)
-                self._remember(op, raw_body)
+                self.admin.apply(op, raw_body)
             logger.info("router %s: applied its peers' %d admin changes", self.router_id, len(theirs))
         except Exception as e:  # it then routes with the config's settings: say so
             logger.warning("router %s: could not take its peers' admin changes (%s: %s); it routes with the "
@@ -481,10 +467,9 @@ class Router:
         with several routers, one left on the old policy would route by other rules. `done`: what
         was done before, for the answer."""
         try:
-            out = {**(done or {}), **getattr(self.admin, op)(raw_body)}
+            out = {**(done or {}), **self.admin.apply(op, raw_body)}
         except ApiError as e:
             return _error(e)
-        self._remember(op, raw_body)
         applied, failed = {self.router_id}, []
         if self._peers is not None:
             for reply in await self._peers.broadcast("apply_admin", op, raw_body).results_async(
