@@ -46,6 +46,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from disagg.core.engine_model import RequestRate
 from disagg.core.latency_routing import ModelInstance
 from disagg.core.ledger import Ledger, admission_work
 from disagg.core.model_routing import LatencyAware, ModelRouter
@@ -110,6 +111,7 @@ class Dispatcher:
         self.prefill_retries = prefill_retries
         self.metrics = metrics  # the Prometheus series each finished request feeds (None: not exported)
         self.window = WindowCounter()  # what the planner sees of this replica's traffic (serve_app.planning)
+        self.requests = RequestRate()  # requests this replica admits: the serving path's per-request CPU
         self.multi_model = multi_model
         self.alias_predictor = BucketMeanPredictor()  # output lengths of alias requests, across models
         self.flights: dict[str, Flight] = {}  # admitted and not finished, in admission order
@@ -121,6 +123,7 @@ class Dispatcher:
         """Route, prefill, and get the first output (so errors still have a status code).
 
         Raises ApiError (or CancelledError) after finishing the request."""
+        self.requests.arrive(time.monotonic())
         try:
             self.streams.prepare(f)
             await self._route_and_admit(f)
@@ -218,8 +221,8 @@ class Dispatcher:
                 candidates.append((ModelInstance(inst.instance_id, m.name, c, m.prices), snap))
         host = next((m.cost_model.shared_host for m in models if m.cost_model.shared_host is not None), None)
         if host is not None:  # engines on one host: each estimate runs at the stretch the others' load gives
-            candidates = [(dataclasses.replace(inst, host=peer_share(host, [(o.constants, s) for j, (o, s) in
-                                                                            enumerate(candidates) if j != i])), snap)
+            others = [[(o.constants, s) for j, (o, s) in enumerate(candidates) if j != i] for i in range(len(candidates))]
+            candidates = [(dataclasses.replace(inst, host=peer_share(host, others[i], self.requests)), snap)
                           for i, (inst, snap) in enumerate(candidates)]
         router = self.model_router if lam == self.model_router.lam else self.model_router.with_lambda(lam)
         now = time.monotonic()

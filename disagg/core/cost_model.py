@@ -32,7 +32,8 @@ every busy engine's steps run slower than alone by one stretch factor, processor
     stretch = max(1, k / engine_cores) + serving_cores / cores
 
 with k engines busy and the serving path demanding `serving_cores` at full speed: token_cpu_s per
-streamed token plus request_cpu_s per request served, at the rates the busy engines produce them.
+streamed token, at the rate the busy engines' steps stream them, plus request_cpu_s per request at
+the rate requests arrive (spent over each request's life, not in the step that prefills it).
 The engines time-share the cores they are pinned to; the serving path's threads are not pinned, so
 the operating system spreads them over every core, the engines' included, and each busy engine
 loses their share of its core on top (they do not wait for the cores the engines leave idle: the
@@ -145,10 +146,14 @@ class SharedHost(_Strict):
             return 1.0
         return max(1.0, busy / self.engine_cores) + serving_cores / self.cores
 
-    def serving_cores(self, tokens: float, requests: float, seconds: float) -> float:
-        """Processors the serving path needs to keep up with `tokens` streamed and `requests` started
-        every `seconds` (an unstretched step's length)."""
-        return (tokens * self.token_cpu_s + requests * self.request_cpu_s) / seconds
+    def serving_cores(self, tokens: float, seconds: float) -> float:
+        """Processors the serving path needs to keep up with `tokens` streamed every `seconds` (an
+        unstretched step's length)."""
+        return tokens * self.token_cpu_s / seconds
+
+    def request_cores(self, requests_per_s: float) -> float:
+        """Processors the serving path's per-request work takes when requests arrive at `requests_per_s`."""
+        return requests_per_s * self.request_cpu_s
 
 
 class TransferConstants(_Strict):

@@ -24,8 +24,8 @@ What is modelled (vLLM v1 scheduler semantics):
 
 Engines that share a host (`CostModel.shared_host`) are given one `HostShare`: each step is then
 stretched by the host's processor sharing at the moment it is planned — how many of the host's
-engines are busy, and the serving path's CPU (per streamed token and per request) their steps
-call for. The stretch is fixed for the step, or the macro step, it is planned for; whoever drives
+engines are busy, the serving path's CPU for the tokens their steps stream, and its CPU per request
+at the rate requests arrive (`HostShare.arrive`). The stretch is fixed for the step, or the macro step, it is planned for; whoever drives
 the engines cuts macro steps short when the number of busy engines changes (the simulator does).
 
 What is not: prefix caching, speculative decoding, the dependence of a decode step's time on its
@@ -40,6 +40,7 @@ identical decode steps at once, and an arrival truncates it at the end of the st
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -106,28 +107,69 @@ class StepOutcome:
 _QUIET_STEP = StepOutcome([], [], [])
 
 
-class HostShare:
-    """The busy engines of one shared host and the serving-path CPU their steps call for; says how
-    much slower than alone a step planned now runs (`SharedHost.stretch`). An engine is busy from
-    the step it plans until it finds nothing to run."""
+REQUEST_RATE_WINDOW_S = 1.0
 
-    def __init__(self, host: SharedHost) -> None:
+
+class RequestRate:
+    """Requests per second over about the last `window_s` seconds: a count of arrivals that decays
+    exponentially with their age."""
+
+    __slots__ = ("window_s", "_rate", "_at")
+
+    def __init__(self, window_s: float = REQUEST_RATE_WINDOW_S, rate: float = 0.0, at: float = 0.0) -> None:
+        self.window_s = window_s
+        self._rate = rate
+        self._at = at
+
+    def arrive(self, now: float) -> None:
+        self._rate = self.at(now) + 1.0 / self.window_s
+        self._at = max(now, self._at)
+
+    def at(self, now: float) -> float:
+        if self._rate == 0.0 or now <= self._at:
+            return self._rate
+        return self._rate * math.exp((self._at - now) / self.window_s)
+
+    def copy(self) -> "RequestRate":
+        return RequestRate(self.window_s, self._rate, self._at)
+
+
+class HostShare:
+    """The busy engines of one shared host and the serving-path CPU they call for; says how much
+    slower than alone a step planned now runs (`SharedHost.stretch`). An engine is busy from the
+    step it plans until it finds nothing to run.
+
+    The serving path's CPU per streamed token follows the busy engines' steps. Its CPU per request
+    is spent over the request's life — rendering and routing before the prefill, the engine calls,
+    the stream's end — on the cores the serving path's processes run on, so it is a demand at the
+    rate requests arrive (`arrive`, over about the last second), not a burst in the step that
+    prefills one: charged to that step, 16 ms of it on a 7 ms prefill asked for two cores and
+    priced the CPU profile's TTFT 12–71% high (docs/results.md)."""
+
+    def __init__(self, host: SharedHost, requests: RequestRate | None = None) -> None:
         self.host = host
-        self.loads: dict[str, float] = {}  # busy engine → serving cores its current step calls for
+        self.loads: dict[str, float] = {}  # busy engine → serving cores its current step's tokens call for
         self.total = 0.0
+        self.requests = requests if requests is not None else RequestRate()
         self.busy_changes = 0  # bumped whenever an engine becomes busy or idle
 
-    def step(self, instance_id: str, tokens: int, requests: int, seconds: float) -> float:
-        """An engine plans a step of `seconds` (alone) that streams `tokens` and starts `requests`:
-        its stretch."""
-        load = self.host.serving_cores(tokens, requests, seconds)
+    def arrive(self, now: float) -> None:
+        """A request came to the host at `now` (its serving path's per-request work starts)."""
+        self.requests.arrive(now)
+
+    def step(self, instance_id: str, tokens: int, seconds: float, now: float) -> float:
+        """An engine plans a step of `seconds` (alone) at `now` that streams `tokens`: its stretch."""
+        load = self.host.serving_cores(tokens, seconds)
         old = self.loads.get(instance_id)
         if old is None:
             self.busy_changes += 1
             old = 0.0
         self.loads[instance_id] = load
         self.total += load - old
-        return self.host.stretch(len(self.loads), self.total)
+        serving = self.total
+        if self.host.request_cpu_s:
+            serving += self.host.request_cores(self.requests.at(now))
+        return self.host.stretch(len(self.loads), serving)
 
     def idle(self, instance_id: str) -> None:
         old = self.loads.pop(instance_id, None)
@@ -140,7 +182,7 @@ class HostShare:
         return len(self.loads)
 
     def copy(self) -> "HostShare":
-        other = HostShare(self.host)
+        other = HostShare(self.host, self.requests.copy())
         other.loads = dict(self.loads)
         other.total = self.total
         return other
@@ -306,7 +348,7 @@ class EngineModel:
                     pairs += attention_pairs(c, job.computed)
             self._dur = self.c.step_s(tokens, n, pairs) + self.c.prefill_overhead_s * finishing
             if self.share is not None:
-                self._dur *= self.share.step(self.instance_id, n + finishing, finishing, self._dur)
+                self._dur *= self.share.step(self.instance_id, n + finishing, self._dur, now)
         elif n:
             while self._fin and self._fin[0][3].epoch != self._fin[0][2]:
                 heapq.heappop(self._fin)
@@ -327,7 +369,7 @@ class EngineModel:
             if dur is None:  # the step time of a decode-only batch depends on its size alone: memoised
                 dur = self._decode_step_s[n] = self.c.step_s(0, n)
             if self.share is not None:
-                dur *= self.share.step(self.instance_id, n, 0, dur)
+                dur *= self.share.step(self.instance_id, n, dur, now)
             self._dur = dur
         else:
             self.busy = False

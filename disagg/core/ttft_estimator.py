@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from disagg.core.cost_model import EngineConstants, SharedHost
-from disagg.core.engine_model import EngineModel, HostShare, Job, JobState
+from disagg.core.engine_model import EngineModel, HostShare, Job, JobState, RequestRate
 
 DEFAULT_MAX_STEPS = 100_000
 
@@ -374,15 +374,17 @@ def estimate_ttft(
     )
 
 
-def peer_share(host: SharedHost, peers: Iterable[tuple[EngineConstants, InstanceSnapshot]]) -> HostShare:
+def peer_share(host: SharedHost, peers: Iterable[tuple[EngineConstants, InstanceSnapshot]],
+               requests: RequestRate | None = None) -> HostShare:
     """The share of `host` that the given other instances take, each as busy as its snapshot: an
     instance with requests in flight is busy, and its decoding batch streams a token per sequence
-    every decode step (what the serving path's CPU follows)."""
-    share = HostShare(host)
+    every decode step (what the serving path's CPU follows). `requests`: the rate requests arrive
+    at the host (its serving path's per-request CPU), as the caller has seen it; none if omitted."""
+    share = HostShare(host, None if requests is None else requests.copy())
     for k, (c, snap) in enumerate(peers):
         if snap.in_flight:
             decoding = sum(not r.prefilling for r in snap.running)
-            share.step(f"peer-{k}", decoding, 0, c.decode_token_s(decoding))
+            share.step(f"peer-{k}", decoding, c.decode_token_s(decoding), 0.0)
     return share
 
 

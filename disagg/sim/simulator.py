@@ -470,7 +470,7 @@ class Simulator:
         engines, step_epoch, ledgers, predictors = self.engines, self._step_epoch, self.ledgers, self.predictors
         refresh, poke = self._refresh, self._poke
         slo_scale, known_output = self.slo_scale, self.known_output
-        fleet, signals, control = self.fleet, self.signals, self._control
+        fleet, signals, control, share = self.fleet, self.signals, self._control, self.share
         if self.scaler is not None and self.scaler.interval_s is not None:
             self._push_control(self.scaler.interval_s, _TICK, ("tick",))
         while heap or a < n_arrivals:
@@ -554,6 +554,8 @@ class Simulator:
                 slo = r.slo_class or default_slo
                 if signals is not None:
                     signals.arrived(r.prompt_tokens, slo)
+                if share is not None:  # the serving path's per-request work starts
+                    share.arrive(now)
                 predicted = r.output_tokens if known_output else predictors[k].predict(r.prompt_tokens, slo)
                 rid = f"r{i}"
                 if slo_scale is None:

@@ -42,7 +42,10 @@ class ReferenceSloGoodput(SloGoodput):
         if not prefill_ok and not prm.allow_colocated:
             feasible(prefill, req, "prefill")
             raise NoCapacity("no prefill candidate fits and colocated prefill is disabled")
-        host = None if cm.shared_host is None else _HostLoad(cm, cm.shared_host, prefill, decode, spread, tpot_others)
+        host = None
+        if cm.shared_host is not None:
+            self._requests.arrive(now)
+            host = _HostLoad(cm, cm.shared_host, prefill, decode, spread, tpot_others, self._requests.at(now))
         ends = []
         for p in prefill_ok:
             q = p.backlog_s

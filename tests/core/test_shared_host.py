@@ -2,10 +2,12 @@
 the simulator. Each test here fails if the engines' contention term or the serving path's term is
 dropped from the model."""
 
+import math
+
 import pytest
 
 from disagg.core.cost_model import CostModel, CostModelError, SharedHost, load_profile
-from disagg.core.engine_model import EngineModel, HostShare, Job
+from disagg.core.engine_model import EngineModel, HostShare, Job, RequestRate
 from disagg.sim.runner import prepare_trace, simulate
 from disagg.sim.simulator import Topology
 from disagg.sim.workloads import generate
@@ -25,10 +27,10 @@ def test_stretch_is_one_alone_and_grows_with_busy_engines_past_their_cores():
 def test_serving_path_takes_its_share_of_every_core_the_engines_included():
     host = SharedHost(engine_cores=1, cores=2, token_cpu_s=0.001, request_cpu_s=0.01)
     # one engine streaming 10 tokens every 5 ms asks 2 cores of the serving path: 1 + 2 / 2
-    serving = host.serving_cores(tokens=10, requests=0, seconds=0.005)
+    serving = host.serving_cores(tokens=10, seconds=0.005)
     assert serving == pytest.approx(2.0)
     assert host.stretch(1, serving) == pytest.approx(2.0)
-    assert host.serving_cores(tokens=0, requests=1, seconds=0.01) == pytest.approx(1.0)
+    assert host.request_cores(requests_per_s=50) == pytest.approx(0.5)
     # the serving path's threads are not pinned: they take a share of the engine's core even where
     # the host has a core to spare (the form that filled the spare cores first gave 1.0 here)
     assert host.stretch(1, 0.5) == pytest.approx(1.25)
@@ -43,15 +45,42 @@ def test_a_host_whose_engines_have_more_cores_than_it_is_refused_by_field():
 
 def test_host_share_counts_busy_engines_and_their_load():
     share = HostShare(SharedHost(engine_cores=1, cores=4, token_cpu_s=0.001))
-    assert share.step("a", tokens=4, requests=0, seconds=0.004) == 1.25  # 1 core of serving: 1 + 1 / 4
-    assert share.step("b", tokens=4, requests=0, seconds=0.004) == 2.5  # two engines on one core, + 2 / 4
+    assert share.step("a", tokens=4, seconds=0.004, now=0.0) == 1.25  # 1 core of serving: 1 + 1 / 4
+    assert share.step("b", tokens=4, seconds=0.004, now=0.0) == 2.5  # two engines on one core, + 2 / 4
     assert share.busy == 2 and share.total == pytest.approx(2.0)
     changes = share.busy_changes
-    share.step("a", tokens=8, requests=0, seconds=0.004)  # still busy: no change in who is busy
+    share.step("a", tokens=8, seconds=0.004, now=0.0)  # still busy: no change in who is busy
     assert share.busy_changes == changes and share.total == pytest.approx(3.0)
     share.idle("a")
     share.idle("b")
     assert share.busy == 0 and share.total == 0.0 and share.busy_changes == changes + 2
+
+
+def test_request_rate_counts_arrivals_over_about_the_last_window():
+    rate = RequestRate(window_s=1.0)
+    assert rate.at(5.0) == 0.0
+    for i in range(100):  # 20 a second for 5 s: the rate settles at 20
+        rate.arrive(i * 0.05)
+    assert rate.at(4.95) == pytest.approx(20.0, rel=0.05)
+    assert rate.at(5.95) == pytest.approx(rate.at(4.95) * math.exp(-1.0))  # then decays with the window
+    copy = rate.copy()
+    copy.arrive(6.0)
+    assert rate.at(6.0) < copy.at(6.0)  # a copy is its own
+
+
+def test_request_cpu_is_a_demand_at_the_arrival_rate_not_a_burst_in_the_prefill_step():
+    host = SharedHost(engine_cores=1, cores=2, request_cpu_s=0.02)
+    share = HostShare(host)
+    # one request in a quiet host: 20 ms of CPU over its life, not 20 ms inside its 5 ms prefill step
+    # (the burst form asked 4 cores of that step: a stretch of 3)
+    share.arrive(0.0)
+    assert share.step("a", tokens=1, seconds=0.005, now=0.0) == pytest.approx(1.0 + 0.02 / 2)
+    # 50 requests a second keep one core of the serving path busy: half of each of the two cores
+    for i in range(200):
+        share.arrive(i * 0.02)
+    assert share.step("a", tokens=1, seconds=0.005, now=4.0) == pytest.approx(1.5, rel=0.03)
+    # and it fades once they stop
+    assert share.step("a", tokens=1, seconds=0.005, now=9.0) == pytest.approx(1.0, abs=0.01)
 
 
 def _decode_alone_and_together(host: SharedHost) -> tuple[float, float]:
@@ -120,6 +149,26 @@ def test_simulated_serving_path_cpu_slows_the_fleet_further(trace):
     assert busy_path["ttft_p50_s"] > base["ttft_p50_s"]
 
 
+def test_simulated_request_cpu_slows_the_fleet_at_the_rate_requests_come(trace):
+    base = _sim(trace, ONE_CORE)
+    busy_path = _sim(trace, SharedHost(engine_cores=1, cores=2, request_cpu_s=0.1))  # 4 req/s: 0.4 cores
+    assert busy_path["tpot_p50_s"] > 1.1 * base["tpot_p50_s"]
+    assert busy_path["ttft_p50_s"] > 1.05 * base["ttft_p50_s"]  # its KV transfers are not stretched
+
+
+def test_a_lone_request_pays_its_own_cpu_over_its_life_not_in_its_prefill_step():
+    from disagg.sim.traces import TraceRequest
+
+    lone = prepare_trace([TraceRequest(0.0, 200, 4)], None, 0.5, 0)
+    cm = load_profile("cpu-tiny")
+    free, _ = simulate(lone, cm.model_copy(update={"shared_host": ONE_CORE}), Topology.parse("1P1D"), "colocated")
+    host = SharedHost(engine_cores=1, cores=2, request_cpu_s=0.05)
+    paid, _ = simulate(lone, cm.model_copy(update={"shared_host": host}), Topology.parse("1P1D"), "colocated")
+    # 1 request a second asks 0.05 cores: a stretch of 1.025; charged to its ~10 ms prefill step it
+    # asked 5 cores of that step, a stretch of 3.5
+    assert paid["ttft_p50_s"] == pytest.approx(free["ttft_p50_s"] * 1.025, rel=0.01)
+
+
 def test_engines_with_cores_enough_run_as_if_each_owned_its_device(trace):
     own = _sim(trace, None, "1P1D")
     roomy = _sim(trace, SharedHost(engine_cores=2, cores=4), "1P1D")  # two engines, two cores of their own
@@ -143,3 +192,7 @@ def test_the_estimator_prices_a_query_at_the_stretch_its_busy_peers_give():
     # the peers' streams take the host's other core and more: a stretch beyond the engines' own
     streaming = SharedHost(engine_cores=1, cores=2, token_cpu_s=0.05)  # the peer streams a token per 12 ms
     assert estimate_ttft(c, InstanceSnapshot(), 100, host=peer_share(streaming, [(c, busy)])).ttft_s > 2.5 * alone
+    # requests arriving at 50 a second, 20 ms of CPU each, take one core: half of the engines'
+    handling = SharedHost(engine_cores=1, cores=2, request_cpu_s=0.02)
+    arriving = peer_share(handling, [], RequestRate(rate=50.0, at=0.0))
+    assert estimate_ttft(c, InstanceSnapshot(), 100, host=arriving).ttft_s == pytest.approx(1.5 * alone, rel=0.01)

@@ -263,10 +263,10 @@ def test_a_prefill_stalls_the_other_engines_sequences_not_again_those_its_own_en
     busy = make_instances(Role.DECODE, backlog_s=[0.5], queued=[6])
     p = prefill[0]
     # the decodes p hosts wait for the whole prefill: priced with p (`_stall`), not as the host's
-    alone = _HostLoad(cm, cm.shared_host, prefill, idle, 0.15, 0.0068)
+    alone = _HostLoad(cm, cm.shared_host, prefill, idle, 0.15, 0.0068, 0.0)
     assert alone.prefill_stall(0.05, p, out=50) == 0.0
-    beside = _HostLoad(cm, cm.shared_host, prefill, busy, 0.15, 0.0068)
+    beside = _HostLoad(cm, cm.shared_host, prefill, busy, 0.15, 0.0068, 0.0)
     assert beside.prefill_stall(0.05, p, out=50) > 0.0  # the decode engine's six are slowed
     # with a core for every engine the prefill takes nothing from the others
     roomy = _cpu_fleet({"engine_cores": 2.0, "cores": 4.0})
-    assert _HostLoad(roomy, roomy.shared_host, prefill, busy, 0.15, 0.0068).prefill_stall(0.05, p, out=50) == 0.0
+    assert _HostLoad(roomy, roomy.shared_host, prefill, busy, 0.15, 0.0068, 0.0).prefill_stall(0.05, p, out=50) == 0.0

@@ -13,6 +13,7 @@ from disagg.core.cost_model import (
     SloTarget,
     attention_pairs,
 )
+from disagg.core.engine_model import RequestRate
 from disagg.core.policies.base import (
     PairTransfers,
     Params,
@@ -184,6 +185,7 @@ class SloGoodput(Policy):
         self._prefill_rate: dict[str, list[float]] = {}
         # instance id (None: the default constants) → batch size → `_step_times`; pure, so memoised
         self._steps: dict[str | None, dict[int, tuple[float, float, float, float]]] = {}
+        self._requests = RequestRate()  # the requests this policy routes: the serving path's per-request CPU
 
     def _utilization(self, instance_id: str, now: float) -> float:
         """The share of the prefill instance's time its prefills take (our own, averaged), below 0.95."""
@@ -216,8 +218,11 @@ class SloGoodput(Policy):
         out, target = max(1, req.predicted_output_tokens), cm.target(req.slo_class)
         if req.ttft_target_s is not None:  # SLOs that scale with the request
             target = SloTarget(ttft_s=req.ttft_target_s, tpot_s=req.tpot_target_s)
-        host = None if cm.shared_host is None else _HostLoad(cm, cm.shared_host, prefill, decode, prm.latency_error,
-                                                             self._tpot_floor_s)
+        host = None
+        if cm.shared_host is not None:
+            self._requests.arrive(now)
+            host = _HostLoad(cm, cm.shared_host, prefill, decode, prm.latency_error, self._tpot_floor_s,
+                             self._requests.at(now))
         ends = self._prefill_ends(prefill_ok, req, now, host)
         sites = self._decode_sites(decode_ok, req, now, host)
         # each kind's cheapest replaces the cheapest so far only if it costs less (or as much and comes
@@ -478,12 +483,12 @@ def _step_times(ec: EngineConstants, b: int) -> tuple[float, float, float, float
 class _HostLoad:
     """The shared host as one decision sees it: which engines are busy (a decode instance with
     requests, a prefill instance with a backlog or hosted decodes), the serving path's CPU for the
-    tokens they stream, and the sequences running there, each with its TPOT as it is now."""
+    tokens they stream and the requests arriving, and the sequences running there, each with its TPOT as it is now."""
 
     __slots__ = ("host", "busy", "k", "serving", "sigma", "sigma_up", "running", "spread", "floor", "_harm_up")
 
     def __init__(self, cm: CostModel, host: SharedHost, prefill: list[InstanceView], decode: list[InstanceView],
-                 spread: float, floor: float) -> None:
+                 spread: float, floor: float, requests_per_s: float) -> None:
         self.host, self.spread, self.floor = host, spread, floor
         views = {v.instance_id: v for v in (*prefill, *decode)}
         self.busy: set[str] = set()
@@ -495,8 +500,10 @@ class _HostLoad:
                 if b:
                     batches.append((iid, cm.for_instance(iid), b))
         self.k = len(self.busy)
-        # the serving path streams each decoding engine's batch once per step
-        self.serving = sum(host.token_cpu_s * b / ec.step_s(0, b) for _, ec, b in batches)
+        # the serving path streams each decoding engine's batch once per step, and does each request's
+        # own work at the rate they come (`HostShare`)
+        self.serving = (sum(host.serving_cores(b, ec.step_s(0, b)) for _, ec, b in batches)
+                        + host.request_cores(requests_per_s))
         self.sigma = host.stretch(self.k, self.serving)
         self.sigma_up = host.stretch(self.k + 1, self.serving)
         self.running = [(iid, ec.decode_token_s(b) * self.sigma, b) for iid, ec, b in batches]
