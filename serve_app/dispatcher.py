@@ -221,7 +221,8 @@ class Dispatcher:
                 candidates.append((ModelInstance(inst.instance_id, m.name, c, m.prices), snap))
         host = next((m.cost_model.shared_host for m in models if m.cost_model.shared_host is not None), None)
         if host is not None:  # engines on one host: each estimate runs at the stretch the others' load gives
-            others = [[(o.constants, s) for j, (o, s) in enumerate(candidates) if j != i] for i in range(len(candidates))]
+            others = [[(o.constants, s) for j, (o, s) in enumerate(candidates) if j != i]
+                      for i in range(len(candidates))]
             candidates = [(dataclasses.replace(inst, host=peer_share(host, others[i], self.requests)), snap)
                           for i, (inst, snap) in enumerate(candidates)]
         router = self.model_router if lam == self.model_router.lam else self.model_router.with_lambda(lam)
