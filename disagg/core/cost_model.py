@@ -29,11 +29,11 @@ Shared hardware (`shared_host`): where the engines do not own their devices — 
 every engine's compute on one core and the serving path's Python on every core, that one included —
 every busy engine's steps run slower than alone by one stretch factor, processor sharing:
 
-    stretch = max(1, k / engine_cores) + serving_cores / cores
+    stretch = max(1, k / engine_cores) + request_cores / cores + token_cores / (cores · stretch)
 
-with k engines busy and the serving path demanding `serving_cores` at full speed: token_cpu_s per
-streamed token, at the rate the busy engines' steps stream them, plus request_cpu_s per request at
-the rate requests arrive (spent over each request's life, not in the step that prefills it).
+with k engines busy and the serving path demanding request_cpu_s per request at the rate requests
+arrive (spent over each request's life, not in the step that prefills it) and token_cpu_s per
+streamed token at the rate the busy engines stream them — the stretched rate, hence the fixed point.
 The engines time-share the cores they are pinned to; the serving path's threads are not pinned, so
 the operating system spreads them over every core, the engines' included, and each busy engine
 loses their share of its core on top (they do not wait for the cores the engines leave idle: the
@@ -44,6 +44,7 @@ Absent (one GPU per engine), the stretch is 1 and every formula above holds as i
 
 from __future__ import annotations
 
+import math
 from functools import cached_property
 from pathlib import Path
 
@@ -139,12 +140,21 @@ class SharedHost(_Strict):
             raise ValueError(f"engine_cores ({self.engine_cores!r}) cannot exceed the host's cores ({self.cores!r})")
         return self
 
-    def stretch(self, busy: int, serving_cores: float = 0.0) -> float:
-        """How many times slower than alone each busy engine's steps run, with `busy` engines busy and
-        the serving path demanding `serving_cores` (processors at full speed); 1 when nothing is busy."""
+    def stretch(self, busy: int, token_cores: float = 0.0, request_cores: float = 0.0) -> float:
+        """How many times slower than alone each busy engine's steps run, with `busy` engines busy, the
+        serving path streaming their tokens (`token_cores`: the processors it needs at the engines'
+        unstretched rates) and serving the requests arriving (`request_cores`); 1 when nothing is busy.
+
+        The tokens come at the stretched rate — the engines that make them are slowed too — so their
+        share is `token_cores / σ` and σ is the fixed point σ = b + a / σ (b the engines' sharing and
+        the requests' share, a the tokens' share at full speed): with the unstretched rate, eight
+        streams on each of two engines asked five processors of a two-processor host and were priced
+        at 12.7 ms a token where they streamed at 11 (docs/results.md)."""
         if busy <= 0:
             return 1.0
-        return max(1.0, busy / self.engine_cores) + serving_cores / self.cores
+        b = max(1.0, busy / self.engine_cores) + request_cores / self.cores
+        a = token_cores / self.cores
+        return b if a == 0.0 else 0.5 * (b + math.sqrt(b * b + 4.0 * a))
 
     def serving_cores(self, tokens: float, seconds: float) -> float:
         """Processors the serving path needs to keep up with `tokens` streamed every `seconds` (an

@@ -167,10 +167,8 @@ class HostShare:
             old = 0.0
         self.loads[instance_id] = load
         self.total += load - old
-        serving = self.total
-        if self.host.request_cpu_s:
-            serving += self.host.request_cores(self.requests.at(now))
-        return self.host.stretch(len(self.loads), serving)
+        requests = self.host.request_cores(self.requests.at(now)) if self.host.request_cpu_s else 0.0
+        return self.host.stretch(len(self.loads), self.total, requests)
 
     def idle(self, instance_id: str) -> None:
         old = self.loads.pop(instance_id, None)

@@ -24,18 +24,38 @@ def test_stretch_is_one_alone_and_grows_with_busy_engines_past_their_cores():
     assert wide.stretch(2) == 1.0 and wide.stretch(4) == 2.0
 
 
+def _fixed_point(b: float, a: float) -> float:
+    """σ with σ = b + a / σ."""
+    return (b + math.sqrt(b * b + 4 * a)) / 2
+
+
 def test_serving_path_takes_its_share_of_every_core_the_engines_included():
     host = SharedHost(engine_cores=1, cores=2, token_cpu_s=0.001, request_cpu_s=0.01)
-    # one engine streaming 10 tokens every 5 ms asks 2 cores of the serving path: 1 + 2 / 2
+    # one engine streaming 10 tokens every 5 ms at full speed asks 2 cores of the serving path
     serving = host.serving_cores(tokens=10, seconds=0.005)
     assert serving == pytest.approx(2.0)
-    assert host.stretch(1, serving) == pytest.approx(2.0)
+    # ... but the engine runs σ times slower, and so do its tokens: σ = 1 + (2 / σ) / 2
+    sigma = host.stretch(1, serving)
+    assert sigma == pytest.approx(1 + serving / sigma / 2) and sigma == pytest.approx(_fixed_point(1, 1))
     assert host.request_cores(requests_per_s=50) == pytest.approx(0.5)
+    # requests come at their own rate, whatever the engines' speed: their share is not divided by σ
+    assert host.stretch(1, 0.0, 0.5) == pytest.approx(1.25)
     # the serving path's threads are not pinned: they take a share of the engine's core even where
     # the host has a core to spare (the form that filled the spare cores first gave 1.0 here)
-    assert host.stretch(1, 0.5) == pytest.approx(1.25)
+    assert host.stretch(1, 0.5) == pytest.approx(_fixed_point(1, 0.25)) and host.stretch(1, 0.5) > 1.2
     # and on top of the engines' own sharing (that form gave max(2, 3 / 2) = 2)
-    assert host.stretch(2, 1.0) == pytest.approx(2.5)
+    assert host.stretch(2, 1.0) == pytest.approx(_fixed_point(2, 0.5)) and host.stretch(2, 1.0) > 2.2
+
+
+def test_the_serving_path_streams_at_the_rate_the_stretched_engines_make_tokens():
+    # eight streams on each of two engines sharing one core, 3 ms steps, 0.64 ms of CPU a token: at the
+    # engines' unstretched rate the serving path would need 3.4 of the host's 2 cores
+    host = SharedHost(engine_cores=1, cores=2, token_cpu_s=0.00064)
+    at_full_speed = 2 * host.serving_cores(tokens=8, seconds=0.003)
+    assert at_full_speed > 3.4
+    sigma = host.stretch(2, at_full_speed)
+    assert 2 * 8 / (0.003 * sigma) * 0.00064 / 2 == pytest.approx(sigma - 2)  # what it streams at σ fills the rest
+    assert sigma < 2 + at_full_speed / 2 - 0.5  # not the 3.7 the unstretched rate priced
 
 
 def test_a_host_whose_engines_have_more_cores_than_it_is_refused_by_field():
@@ -45,8 +65,10 @@ def test_a_host_whose_engines_have_more_cores_than_it_is_refused_by_field():
 
 def test_host_share_counts_busy_engines_and_their_load():
     share = HostShare(SharedHost(engine_cores=1, cores=4, token_cpu_s=0.001))
-    assert share.step("a", tokens=4, seconds=0.004, now=0.0) == 1.25  # 1 core of serving: 1 + 1 / 4
-    assert share.step("b", tokens=4, seconds=0.004, now=0.0) == 2.5  # two engines on one core, + 2 / 4
+    # 1 core of serving at full speed, a quarter of each core: σ = 1 + (1 / 4) / σ
+    assert share.step("a", tokens=4, seconds=0.004, now=0.0) == pytest.approx(_fixed_point(1, 0.25))
+    # two engines on one core, and 2 cores of serving: σ = 2 + (2 / 4) / σ
+    assert share.step("b", tokens=4, seconds=0.004, now=0.0) == pytest.approx(_fixed_point(2, 0.5))
     assert share.busy == 2 and share.total == pytest.approx(2.0)
     changes = share.busy_changes
     share.step("a", tokens=8, seconds=0.004, now=0.0)  # still busy: no change in who is busy

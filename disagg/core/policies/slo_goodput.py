@@ -485,7 +485,7 @@ class _HostLoad:
     requests, a prefill instance with a backlog or hosted decodes), the serving path's CPU for the
     tokens they stream and the requests arriving, and the sequences running there, each with its TPOT as it is now."""
 
-    __slots__ = ("host", "busy", "k", "serving", "sigma", "sigma_up", "running", "spread", "floor", "_harm_up")
+    __slots__ = ("host", "busy", "k", "sigma", "sigma_up", "running", "spread", "floor", "_harm_up")
 
     def __init__(self, cm: CostModel, host: SharedHost, prefill: list[InstanceView], decode: list[InstanceView],
                  spread: float, floor: float, requests_per_s: float) -> None:
@@ -502,10 +502,10 @@ class _HostLoad:
         self.k = len(self.busy)
         # the serving path streams each decoding engine's batch once per step, and does each request's
         # own work at the rate they come (`HostShare`)
-        self.serving = (sum(host.serving_cores(b, ec.step_s(0, b)) for _, ec, b in batches)
-                        + host.request_cores(requests_per_s))
-        self.sigma = host.stretch(self.k, self.serving)
-        self.sigma_up = host.stretch(self.k + 1, self.serving)
+        tokens = sum(host.serving_cores(b, ec.step_s(0, b)) for _, ec, b in batches)
+        requests = host.request_cores(requests_per_s)
+        self.sigma = host.stretch(self.k, tokens, requests)
+        self.sigma_up = host.stretch(self.k + 1, tokens, requests)
         self.running = [(iid, ec.decode_token_s(b) * self.sigma, b) for iid, ec, b in batches]
         self._harm_up: float | None = None
 
