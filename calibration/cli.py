@@ -4,6 +4,7 @@ entry point (pyproject.toml), so that `disagg` itself never imports this package
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -68,6 +69,13 @@ def cmd_calibrate_live(args) -> int:
         name = args.name or f"live-{fleet.model}"
         cm, fits = fit_fleet(samples, fleet.cost_model, name, fleet.source, overhead, measured_at)
         transfer = live_transfer(gaps, cm)
+        detour = transfer is None and "prefill" in fleet.instances.values()
+        if detour:
+            # the app's policy kept every request off the prefill engines (one that colocates where it
+            # pays): measure the hand-off on requests that take it, not the profile's guess
+            with _through_prefill_engines(url, fleet.model):
+                crossed = asyncio.run(serving_path_gaps(url, lengths, args.url_requests, seed=args.seed + 1))
+            transfer = live_transfer(crossed, cm)
         if transfer is not None:  # the KV transfer as measured here; the SLO targets follow it
             base = fleet.cost_model.model_copy(update={"transfer": transfer[0]})
             cm, fits = fit_fleet(samples, base, name, fleet.source, overhead, measured_at)
@@ -103,6 +111,8 @@ def cmd_calibrate_live(args) -> int:
         how = (f"{xfer.tokens_per_s:,.0f} tokens/s (measured: medians of lone requests at "
                f"{' and '.join(map(str, lengths))} tokens)" if transfer[1]
                else f"bandwidth {kept} ({xfer.tokens_per_s:,.0f} tokens/s: not measurable through the noise)")
+        if detour:
+            how += "; on lone requests routed with round_robin for it, the app's own policy restored after"
         print(f"KV transfer: {xfer.latency_s * 1e3:.1f} ms fixed cost, {how}")
     print(f"held-out median relative error, median over {len(fits)} instances: {held:.1%}")
     if cm.shared_host is not None:
@@ -118,6 +128,25 @@ def cmd_calibrate_live(args) -> int:
     if args.apply:
         _apply_cost_model(url, out, fleet.model)
     return 0
+
+
+@contextlib.contextmanager
+def _through_prefill_engines(url: str, model: str):
+    """The app routes `model` with `round_robin` (every request prefilled on a prefill engine, its KV
+    handed to a decode engine) while the block runs, then with its own policy again, whatever happens."""
+    from disagg.app_client import AppClient, AppError
+
+    try:
+        with AppClient(url, timeout_s=60.0) as app:
+            own = app.state()["models"][model]
+            app.set_policy("round_robin", {}, model)
+    except (AppError, KeyError) as e:
+        raise RuntimeError(f"routing {model!r} through the prefill engines to measure the KV transfer: {e}") from None
+    try:
+        yield
+    finally:
+        with AppClient(url, timeout_s=60.0) as app:
+            app.set_policy(own["policy"], own["policy_params"], model)
 
 
 async def _measure_host(url: str, fleet, cm, seed: int, quick: bool):

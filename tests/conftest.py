@@ -21,7 +21,8 @@ def stack(tmp_path_factory):
         url = os.environ["DISAGG_STACK_URL"]
         shipped = _admin_state(url)["policy"]
         _set_policy(url, DISAGGREGATING_POLICY)
-        yield SimpleNamespace(base_url=url, run_dir=Path.cwd(), host_fit=None, shipped_policy=shipped)
+        yield SimpleNamespace(base_url=url, run_dir=Path.cwd(), host_fit=None, host_fit_summary=None,
+                              policy_after_fit=shipped, shipped_policy=shipped)
         return
     run_dir = tmp_path_factory.mktemp("stack")
     os.environ["DISAGG_RUN_DIR"] = str(run_dir)  # where the router writes its request log
@@ -34,7 +35,8 @@ def stack(tmp_path_factory):
         s.instances_at_start = set(s.initial_state["instances"])
         # what `make run` does next: the routers price with constants fitted on this machine, and a
         # bench judges against them (a shipped profile describes another host)
-        [(s.host_fit, _)] = s.fit_host()
+        [(s.host_fit, s.host_fit_summary)] = s.fit_host()
+        s.policy_after_fit = _admin_state(s.base_url)["policy"]
         # the serving-path tests drive the disaggregated path (prefill, NIXL hand-off, decode), which the
         # shipped default takes only where it prices fewer misses: they run with a policy that always
         # disaggregates; tests of the shipped default set it themselves (test_serving.py)
