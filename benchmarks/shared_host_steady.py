@@ -5,7 +5,8 @@ Usage (the CPU profile running, e.g. `make run`; nothing else on the machine):
     .venv/bin/python benchmarks/shared_host_steady.py --url http://127.0.0.1:8000 --rounds 3 \
         --json runs/shared_host_steady.json
 
-With `colocated` routing (set for the run, the app's own policy restored after), it sends 1, 2, 4, 8
+With `colocated` routing (set for the run, the app's own policy restored after; `--policy round_robin`
+prefills each on the prefill engine and hands its KV over NIXL first), it sends 1, 2, 4, 8
 and 16 streaming completions at once (32-token prompts, 160 output tokens, `ignore_eos`): the
 policy spreads them over the decode engines, n per engine, so after the first the steps of k = 2
 busy engines stream n tokens each. Each stream's TPOT, timed by the bench's client, is compared
@@ -41,7 +42,7 @@ def modelled_tpot_s(cm, batches: dict[str, int]) -> dict[str, float]:
     return {iid: cm.for_instance(iid).decode_token_s(n) * sigma for iid, n in batches.items()}
 
 
-async def run(url: str, rounds: int, seed: int) -> dict:
+async def run(url: str, rounds: int, seed: int, policy: str = "colocated") -> dict:
     from disagg.app_client import AsyncAppClient
     from disagg.bench.loadgen import PlannedRequest, prompt_seed, send_one
     from disagg.core.cost_model import CostModel
@@ -50,7 +51,7 @@ async def run(url: str, rounds: int, seed: int) -> dict:
         state = await app.state()
         model, entry = next(iter(state["models"].items()))
         cm = CostModel.from_dict(entry["cost_model_constants"])
-        await app.set_policy("colocated", {}, model)
+        await app.set_policy(policy, {}, model)
         sent = 0
         by_size: dict[int, list[dict]] = {n: [] for n in SIZES}
         try:
@@ -80,8 +81,8 @@ async def run(url: str, rounds: int, seed: int) -> dict:
         modelled = statistics.median(s["modelled_s"] for s in streams)
         rows.append({"streams": size, "split": streams[0]["split"], "measured_tpot_s": measured,
                      "modelled_tpot_s": modelled, "modelled_over_measured": modelled / measured})
-    return {"url": url, "rounds": rounds, "cost_model": cm.name, "shared_host": entry["cost_model_constants"].get(
-        "shared_host"), "rows": rows, "streams": by_size}
+    return {"url": url, "rounds": rounds, "policy": policy, "cost_model": cm.name,
+            "shared_host": entry["cost_model_constants"].get("shared_host"), "rows": rows, "streams": by_size}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,11 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policy", default="colocated", choices=("colocated", "round_robin"),
+                    help="colocated: each stream whole on a decode engine; round_robin: through the hand-off")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
     if not 1 <= args.rounds <= 20:
         ap.error(f"--rounds must be in [1, 20], got {args.rounds}")
-    result = asyncio.run(run(args.url.rstrip("/"), args.rounds, args.seed))
+    result = asyncio.run(run(args.url.rstrip("/"), args.rounds, args.seed, args.policy))
     for row in result["rows"]:
         print(f"{row['streams']:2d} streams, split {row['split']}: "
               f"TPOT measured {row['measured_tpot_s'] * 1e3:.2f} ms, "
