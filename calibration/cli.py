@@ -118,7 +118,8 @@ def cmd_calibrate_live(args) -> int:
     if cm.shared_host is not None:
         h = cm.shared_host
         print(f"shared host: {h.cores:g} cores, engines on {h.engine_cores:g}; serving path "
-              f"{h.token_cpu_s * 1e6:.0f} µs CPU per streamed token, {h.request_cpu_s * 1e3:.1f} ms per request")
+              f"{h.token_cpu_s * 1e6:.0f} µs CPU per streamed token, {h.request_cpu_s * 1e3:.1f} ms per request, "
+              f"{h.idle_cores:.2f} cores idle")
     print(f"wrote {out} ({len(fits)} instances of {fleet.model}, measured {measured_at}) in {seconds:.0f} s of probes")
     if args.report:
         write_json_atomic(Path(args.report), {"instances": {iid: f.as_dict() for iid, f in fits.items()},

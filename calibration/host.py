@@ -7,9 +7,10 @@ serving path takes beside them (`CostModel.shared_host`, the processor-sharing m
    too. An engine's step time with k busy over its time alone is the stretch at k; `engine_cores`
    is the least-squares fit of `stretch = max(1, k / engine_cores)` (`fit_engine_cores`).
 2. **Serving CPU.** The host's CPU time (/proc/stat, less this process's own) over three windows:
-   idle, streams of long answers, and many short requests, all through the app. Each loaded
-   window's CPU above the idle rate, less what the engines' steps of that load take by the fitted
-   constants, is split into CPU per streamed token and per request (`fit_serving_cpu`).
+   idle, streams of long answers, and many short requests, all through the app. The idle rate is
+   the stack's background (`idle_cores`). Each loaded window's CPU above it, less what the
+   engines' steps of that load take by the fitted constants, is split into CPU per streamed token
+   and per request (`fit_serving_cpu`).
 3. `cores`: the host's online processors.
 
 The host must be the app's alone while this runs: any other work on it counts as the serving path's.
@@ -213,7 +214,7 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
             f"{w.engine_s:.2f} s of it engine steps")
     token_cpu_s, request_cpu_s = fit_serving_cpu(windows)
     host = SharedHost(engine_cores=engine_cores, cores=cores, token_cpu_s=round(token_cpu_s, 7),
-                      request_cpu_s=round(request_cpu_s, 6))
+                      request_cpu_s=round(request_cpu_s, 6), idle_cores=round(min(idle_rate, cores), 3))
     report = {"stretch_by_busy_engines": stretch_at, "idle_cores": round(idle_rate, 4), "windows": report_windows,
               "shared_host": host.model_dump(mode="json")}
     return host, report

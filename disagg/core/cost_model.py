@@ -29,11 +29,12 @@ Shared hardware (`shared_host`): where the engines do not own their devices — 
 every engine's compute on one core and the serving path's Python on every core, that one included —
 every busy engine's steps run slower than alone by one stretch factor, processor sharing:
 
-    stretch = max(1, k / engine_cores) + request_cores / cores + token_cores / (cores · stretch)
+    stretch = max(1, k / engine_cores) + (request_cores + idle_cores) / cores + token_cores / (cores · stretch)
 
 with k engines busy and the serving path demanding request_cpu_s per request at the rate requests
-arrive (spent over each request's life, not in the step that prefills it) and token_cpu_s per
-streamed token at the rate the busy engines stream them — the stretched rate, hence the fixed point.
+arrive (spent over each request's life, not in the step that prefills it), token_cpu_s per
+streamed token at the rate the busy engines stream them — the stretched rate, hence the fixed point —
+and idle_cores whatever is served (the stack's background: Ray, state pushes, metrics).
 The engines time-share the cores they are pinned to; the serving path's threads are not pinned, so
 the operating system spreads them over every core, the engines' included, and each busy engine
 loses their share of its core on top (they do not wait for the cores the engines leave idle: the
@@ -132,6 +133,9 @@ class SharedHost(_Strict):
     request_cpu_s: float = Field(default=0.0, ge=0.0, le=1.0,
                                  description="CPU seconds per request served outside the engines' steps "
                                              "(rendering, routing, the prefill and decode calls)")
+    idle_cores: float = Field(default=0.0, ge=0.0, le=4096.0,
+                              description="processors the serving stack takes with nothing served (Ray, the "
+                                          "engines' state pushes, metrics), a share of every core")
     measured_at: str | None = Field(default=None, description="when calibration measured these (ISO 8601, UTC)")
 
     @model_validator(mode="after")
@@ -143,16 +147,17 @@ class SharedHost(_Strict):
     def stretch(self, busy: int, token_cores: float = 0.0, request_cores: float = 0.0) -> float:
         """How many times slower than alone each busy engine's steps run, with `busy` engines busy, the
         serving path streaming their tokens (`token_cores`: the processors it needs at the engines'
-        unstretched rates) and serving the requests arriving (`request_cores`); 1 when nothing is busy.
+        unstretched rates) and serving the requests arriving (`request_cores`), beside the stack's
+        background (`idle_cores`); 1 when nothing is busy.
 
         The tokens come at the stretched rate — the engines that make them are slowed too — so their
         share is `token_cores / σ` and σ is the fixed point σ = b + a / σ (b the engines' sharing and
-        the requests' share, a the tokens' share at full speed): with the unstretched rate, eight
-        streams on each of two engines asked five processors of a two-processor host and were priced
-        at 12.7 ms a token where they streamed at 11 (docs/results.md)."""
+        the requests' share, a the tokens' share at full speed): at the unstretched rate, eight
+        streams on each of two engines asked 3.4 processors of a two-processor host and were priced
+        at 12.7 ms a token where they streamed at 8.1 (docs/results.md)."""
         if busy <= 0:
             return 1.0
-        b = max(1.0, busy / self.engine_cores) + request_cores / self.cores
+        b = max(1.0, busy / self.engine_cores) + (request_cores + self.idle_cores) / self.cores
         a = token_cores / self.cores
         return b if a == 0.0 else 0.5 * (b + math.sqrt(b * b + 4.0 * a))
 

@@ -144,8 +144,8 @@ class HostShare:
     is spent over the request's life — rendering and routing before the prefill, the engine calls,
     the stream's end — on the cores the serving path's processes run on, so it is a demand at the
     rate requests arrive (`arrive`, over about the last second), not a burst in the step that
-    prefills one: charged to that step, 16 ms of it on a 7 ms prefill asked for two cores and
-    priced the CPU profile's TTFT 12–71% high (docs/results.md)."""
+    prefills one: charged to that step, 16 ms of it on a 7 ms prefill asked for two cores
+    (docs/results.md)."""
 
     def __init__(self, host: SharedHost, requests: RequestRate | None = None) -> None:
         self.host = host

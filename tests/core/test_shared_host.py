@@ -47,6 +47,14 @@ def test_serving_path_takes_its_share_of_every_core_the_engines_included():
     assert host.stretch(2, 1.0) == pytest.approx(_fixed_point(2, 0.5)) and host.stretch(2, 1.0) > 2.2
 
 
+def test_the_stacks_background_takes_its_share_of_every_core_while_engines_are_busy():
+    quiet = SharedHost(engine_cores=1, cores=2)
+    background = SharedHost(engine_cores=1, cores=2, idle_cores=0.4)
+    assert background.stretch(0) == 1.0  # nothing busy, nothing slowed
+    assert background.stretch(1) == pytest.approx(quiet.stretch(1) + 0.2)
+    assert background.stretch(2, 1.0) == pytest.approx(_fixed_point(2.2, 0.5))
+
+
 def test_the_serving_path_streams_at_the_rate_the_stretched_engines_make_tokens():
     # eight streams on each of two engines sharing one core, 3 ms steps, 0.64 ms of CPU a token: at the
     # engines' unstretched rate the serving path would need 3.4 of the host's 2 cores

@@ -483,7 +483,8 @@ def _step_times(ec: EngineConstants, b: int) -> tuple[float, float, float, float
 class _HostLoad:
     """The shared host as one decision sees it: which engines are busy (a decode instance with
     requests, a prefill instance with a backlog or hosted decodes), the serving path's CPU for the
-    tokens they stream and the requests arriving, and the sequences running there, each with its TPOT as it is now."""
+    tokens they stream and the requests arriving, and the sequences running there, each with its
+    TPOT as it is now."""
 
     __slots__ = ("host", "busy", "k", "sigma", "sigma_up", "running", "spread", "floor", "_harm_up")
 
