@@ -146,8 +146,13 @@ def _through_prefill_engines(url: str, model: str):
     try:
         yield
     finally:
-        with AppClient(url, timeout_s=60.0) as app:
-            app.set_policy(own["policy"], own["policy_params"], model)
+        try:
+            with AppClient(url, timeout_s=60.0) as app:
+                app.set_policy(own["policy"], own["policy_params"], model)
+        except AppError as e:  # say what the app is left with, and how to put it back
+            raise RuntimeError(f"giving {model!r} its policy {own['policy']!r} back after measuring the KV transfer "
+                               f"({e}); it routes with round_robin until POST {url}/admin/policy "
+                               f"sets it") from None
 
 
 async def _measure_host(url: str, fleet, cm, seed: int, quick: bool):

@@ -451,7 +451,8 @@ class Router:
         try:
             replies = await self._peers.broadcast("admin_changes").results_async(
                 timeout_s=ADMIN_TIMEOUT_S, return_exceptions=True)
-            peers = [reply[1] for reply in replies if not isinstance(reply, BaseException) and reply[0] != self.router_id]
+            peers = [reply[1] for reply in replies
+                     if not isinstance(reply, BaseException) and reply[0] != self.router_id]
             theirs = max(peers, key=len, default=[])
             if self.admin.changes() or not theirs:  # a change reached us meanwhile: it is newer than theirs
                 return
