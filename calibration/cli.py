@@ -31,7 +31,7 @@ def cmd_calibrate_live(args) -> int:
     import statistics
     from datetime import datetime, timezone
 
-    from calibration.fit import CalibrationError, fit_fleet, live_transfer, serving_overhead
+    from calibration.fit import CalibrationError, fit_fleet, handoff_overhead, live_transfer, serving_overhead
     from calibration.live import LiveCalibrationError, calibrate_fleet
     from calibration.measure import SERVING_PROBE_TOKENS, TRANSFER_PROBE_TOKENS, serving_path_gaps
 
@@ -65,20 +65,28 @@ def cmd_calibrate_live(args) -> int:
         long = min(TRANSFER_PROBE_TOKENS, fleet.max_model_len // 2)
         lengths = (SERVING_PROBE_TOKENS, long) if long > SERVING_PROBE_TOKENS else (SERVING_PROBE_TOKENS,)
         gaps = asyncio.run(serving_path_gaps(url, lengths, args.url_requests, seed=args.seed))
-        overhead = serving_overhead([g.outside_s for g in gaps if g.prompt_tokens == SERVING_PROBE_TOKENS])
+        # each path on lone requests that take it: a policy that colocates lone requests sends none
+        # through a prefill engine, one that disaggregates none through one engine alone
+        detours = []
+        splits = "prefill" in fleet.instances.values()
+        if splits and not any(g.disaggregated for g in gaps):
+            with _routed_with(url, fleet.model, "round_robin"):
+                gaps += asyncio.run(serving_path_gaps(url, lengths, args.url_requests, seed=args.seed + 1))
+            detours.append("round_robin")
+        if not any(not g.disaggregated for g in gaps):
+            with _routed_with(url, fleet.model, "colocated"):
+                gaps += asyncio.run(serving_path_gaps(url, lengths, args.url_requests, seed=args.seed + 2))
+            detours.append("colocated")
+        alone = [g.outside_s for g in gaps if not g.disaggregated and g.prompt_tokens == SERVING_PROBE_TOKENS]
+        overhead = serving_overhead(alone)
+        handoff = handoff_overhead([g.outside_s for g in gaps if g.disaggregated
+                                    and g.prompt_tokens == SERVING_PROBE_TOKENS], overhead)
         name = args.name or f"live-{fleet.model}"
-        cm, fits = fit_fleet(samples, fleet.cost_model, name, fleet.source, overhead, measured_at)
+        cm, fits = fit_fleet(samples, fleet.cost_model, name, fleet.source, overhead, measured_at, handoff)
         transfer = live_transfer(gaps, cm)
-        detour = transfer is None and "prefill" in fleet.instances.values()
-        if detour:
-            # the app's policy kept every request off the prefill engines (one that colocates where it
-            # pays): measure the hand-off on requests that take it, not the profile's guess
-            with _through_prefill_engines(url, fleet.model):
-                crossed = asyncio.run(serving_path_gaps(url, lengths, args.url_requests, seed=args.seed + 1))
-            transfer = live_transfer(crossed, cm)
         if transfer is not None:  # the KV transfer as measured here; the SLO targets follow it
             base = fleet.cost_model.model_copy(update={"transfer": transfer[0]})
-            cm, fits = fit_fleet(samples, base, name, fleet.source, overhead, measured_at)
+            cm, fits = fit_fleet(samples, base, name, fleet.source, overhead, measured_at, handoff)
         host_report = None
         if args.host:
             host, host_report = asyncio.run(_measure_host(url, fleet, cm, args.seed, args.quick))
@@ -98,8 +106,12 @@ def cmd_calibrate_live(args) -> int:
                            ("held", "held-out p50", ".1%"), ("held90", "held-out p90", ".1%")]))
     held = statistics.median(f.held_out["median_rel_error"] for f in fits.values())
     t, l = cm.slo[SloClass.TIGHT], cm.slo[SloClass.LOOSE]
-    print(f"\nserving path: {overhead * 1e3:.1f} ms outside the engines (median of {args.url_requests} lone "
-          f"{SERVING_PROBE_TOKENS}-token requests)")
+    print(f"\nserving path: {overhead * 1e3:.1f} ms outside the engines (median of {len(alone)} lone "
+          f"{SERVING_PROBE_TOKENS}-token requests on one engine)"
+          + (f"; a hand-off {cm.handoff_overhead_s * 1e3:.1f} ms more" if handoff is not None else ""))
+    if detours:
+        print(f"lone requests routed with {' and '.join(detours)} to measure every path, the app's own policy "
+              "restored after")
     print(f"SLO tight TTFT {t.ttft_s * 1e3:.0f} ms / TPOT {t.tpot_s * 1e3:.1f} ms; "
           f"loose TTFT {l.ttft_s * 1e3:.0f} ms / TPOT {l.tpot_s * 1e3:.1f} ms")
     kept = f"kept from {fleet.cost_model.name!r}"
@@ -111,8 +123,6 @@ def cmd_calibrate_live(args) -> int:
         how = (f"{xfer.tokens_per_s:,.0f} tokens/s (measured: medians of lone requests at "
                f"{' and '.join(map(str, lengths))} tokens)" if transfer[1]
                else f"bandwidth {kept} ({xfer.tokens_per_s:,.0f} tokens/s: not measurable through the noise)")
-        if detour:
-            how += "; on lone requests routed with round_robin for it, the app's own policy restored after"
         print(f"KV transfer: {xfer.latency_s * 1e3:.1f} ms fixed cost, {how}")
     print(f"held-out median relative error, median over {len(fits)} instances: {held:.1%}")
     if cm.shared_host is not None:
@@ -132,17 +142,18 @@ def cmd_calibrate_live(args) -> int:
 
 
 @contextlib.contextmanager
-def _through_prefill_engines(url: str, model: str):
-    """The app routes `model` with `round_robin` (every request prefilled on a prefill engine, its KV
-    handed to a decode engine) while the block runs, then with its own policy again, whatever happens."""
+def _routed_with(url: str, model: str, policy: str):
+    """The app routes `model` with `policy` (`round_robin`: every request through a prefill engine and
+    the KV hand-off; `colocated`: every request on one engine) while the block runs, then with its
+    own policy again, whatever happens."""
     from disagg.app_client import AppClient, AppError
 
     try:
         with AppClient(url, timeout_s=60.0) as app:
             own = app.state()["models"][model]
-            app.set_policy("round_robin", {}, model)
+            app.set_policy(policy, {}, model)
     except (AppError, KeyError) as e:
-        raise RuntimeError(f"routing {model!r} through the prefill engines to measure the KV transfer: {e}") from None
+        raise RuntimeError(f"routing {model!r} with {policy} to measure the serving path: {e}") from None
     try:
         yield
     finally:
@@ -150,8 +161,8 @@ def _through_prefill_engines(url: str, model: str):
             with AppClient(url, timeout_s=60.0) as app:
                 app.set_policy(own["policy"], own["policy_params"], model)
         except AppError as e:  # say what the app is left with, and how to put it back
-            raise RuntimeError(f"giving {model!r} its policy {own['policy']!r} back after measuring the KV transfer "
-                               f"({e}); it routes with round_robin until POST {url}/admin/policy "
+            raise RuntimeError(f"giving {model!r} its policy {own['policy']!r} back after measuring the serving "
+                               f"path ({e}); it routes with {policy} until POST {url}/admin/policy "
                                f"sets it") from None
 
 
@@ -193,6 +204,7 @@ def cmd_calibrate_engines(args) -> int:
     from calibration.fit import (
         CalibrationError,
         fit_cost_model,
+        handoff_overhead,
         held_out_error,
         serving_overhead,
     )
@@ -239,14 +251,21 @@ def cmd_calibrate_engines(args) -> int:
     try:
         result = asyncio.run(Calibrator(cfg, seed=args.seed).run(plan, bar))
         name = args.name or f"calibrated-{cfg.model.served_name}"
-        cm, report = fit_cost_model(result.measurements, name=name)
+        # vLLM's NIXL agents run without a progress thread on CPU (serve_app.vllm_plugin)
+        between_steps = cfg.engine.device == "cpu"
+        cm, report = fit_cost_model(result.measurements, name=name, between_prefill_steps=between_steps)
         held = held_out_error(cm.engine, result.held_out_prefill, result.held_out_decode)
         if args.url:
             gaps = asyncio.run(serving_path_gaps(args.url.rstrip("/"), SERVING_PROBE_TOKENS, args.url_requests,
                                                  seed=args.seed))
             ttfts = [g.ttft_s for g in gaps]
-            overhead = serving_overhead([g.outside_s for g in gaps])
-            cm, report = fit_cost_model(result.measurements, name=name, serving_overhead_s=overhead)
+            # the one-engine path's time, and what a hand-off adds where the app's policy made both kinds;
+            # where it made only hand-offs, their whole time is the serving path's (the hand-off unmeasured)
+            alone = [g.outside_s for g in gaps if not g.disaggregated]
+            overhead = serving_overhead(alone or [g.outside_s for g in gaps])
+            handoff = handoff_overhead([g.outside_s for g in gaps if g.disaggregated], overhead) if alone else None
+            cm, report = fit_cost_model(result.measurements, name=name, serving_overhead_s=overhead,
+                                        handoff_overhead_s=handoff or 0.0, between_prefill_steps=between_steps)
             print(f"serving path ({args.url}): median client TTFT {statistics.median(ttfts) * 1e3:.1f} ms over "
                   f"{len(ttfts)} lone {SERVING_PROBE_TOKENS}-token requests, of which outside the engines "
                   f"{overhead * 1e3:.1f} ms", file=sys.stderr)
@@ -264,7 +283,9 @@ def cmd_calibrate_engines(args) -> int:
           f"(token, context token), step base {e.step_base_s * 1e3:.3f} ms, "
           f"τ_seq {e.decode_seq_s * 1e6:.1f} µs/sequence, KV {e.kv_capacity_tokens} tokens, "
           f"transfer {cm.transfer.latency_s * 1e3:.2f} ms + {cm.transfer.tokens_per_s:,.0f} tokens/s, "
-          f"serving path {cm.serving_overhead_s * 1e3:.1f} ms" + ("" if args.url else " (not measured: no --url)"))
+          f"serving path {cm.serving_overhead_s * 1e3:.1f} ms"
+          + (f", a hand-off {cm.handoff_overhead_s * 1e3:.1f} ms more" if cm.handoff_overhead_s else "")
+          + ("" if args.url else " (not measured: no --url)"))
     t, l = cm.slo[SloClass.TIGHT], cm.slo[SloClass.LOOSE]
     print(f"SLO tight TTFT {t.ttft_s * 1e3:.0f} ms / TPOT {t.tpot_s * 1e3:.1f} ms; "
           f"loose TTFT {l.ttft_s * 1e3:.0f} ms / TPOT {l.tpot_s * 1e3:.1f} ms")

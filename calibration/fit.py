@@ -28,7 +28,7 @@ falls with tokens beyond its noise is refused.
 
 SLO rule (documented, derived from the same measurements):
 - tight TTFT = 2 × (prefill of a 1,024-token prompt + its transfer + one decode step at batch 1
-  + the serving path's overhead, when measured: `disagg calibrate --url`);
+  + the serving path's overhead with its hand-off, when measured: `disagg calibrate --url`, `--live`);
 - tight TPOT = 2 × the decode step at the largest measured concurrency;
 - loose = 3 × tight, as in the calibration paper.
 """
@@ -256,13 +256,17 @@ def slo_targets(engine: EngineConstants, xfer: TransferConstants, biggest_concur
             SloClass.LOOSE: SloTarget(ttft_s=LOOSE_FACTOR * ttft, tpot_s=LOOSE_FACTOR * tpot)}
 
 
-def fit_cost_model(m: Measurements, name: str, serving_overhead_s: float = 0.0) -> tuple[CostModel, FitReport]:
+def fit_cost_model(m: Measurements, name: str, serving_overhead_s: float = 0.0, handoff_overhead_s: float = 0.0,
+                   between_prefill_steps: bool = False) -> tuple[CostModel, FitReport]:
+    """The cost model of one engine pair's measurements. `between_prefill_steps`: the engines move KV
+    only between the prefill engine's steps (NIXL without a progress thread: the CPU platform)."""
     engine, prefill, decode = fit_engine(m.prefill, m.decode, m.kv_capacity_tokens, m.block_size, m.max_num_seqs,
                                          m.max_batched_tokens)
     xfer, transfer = fit_transfer(m.transfer)
-    slo = slo_targets(engine, xfer, int(max(s.x for s in m.decode)), serving_overhead_s)
+    xfer = xfer.model_copy(update={"between_prefill_steps": between_prefill_steps})
+    slo = slo_targets(engine, xfer, int(max(s.x for s in m.decode)), serving_overhead_s + handoff_overhead_s)
     cm = CostModel(name=name, model=m.model, engine=engine, transfer=xfer, slo=slo,
-                   serving_overhead_s=serving_overhead_s, calibrated=True)
+                   serving_overhead_s=serving_overhead_s, handoff_overhead_s=handoff_overhead_s, calibrated=True)
     return cm, FitReport(prefill, decode, transfer)
 
 
@@ -289,11 +293,13 @@ class InstanceFit:
 
 
 def fit_fleet(samples: dict[str, InstanceSamples], base: CostModel, name: str, model: str,
-              serving_overhead_s: float, measured_at: str) -> tuple[CostModel, dict[str, InstanceFit]]:
+              serving_overhead_s: float, measured_at: str,
+              handoff_overhead_s: float | None = None) -> tuple[CostModel, dict[str, InstanceFit]]:
     """The live fleet's cost model: each instance's own constants (`instances`), the pool-wide
     default fitted over every instance's samples (an instance started later is priced by it), KV
-    transfer and per-pair constants kept from `base` (probes move no KV), SLO targets by the
-    documented rule from the pool-wide fit. Any instance whose fit is refused refuses the whole."""
+    transfer and per-pair constants kept from `base` (probes move no KV), the hand-off's serving
+    path too unless measured (`handoff_overhead_s`), SLO targets by the documented rule from the
+    pool-wide fit. Any instance whose fit is refused refuses the whole."""
     if not samples:
         raise CalibrationError("no instance was measured")
     e = base.engine
@@ -309,10 +315,11 @@ def fit_fleet(samples: dict[str, InstanceSamples], base: CostModel, name: str, m
     pool, _, _ = fit_engine([x for s in every for x in s.prefill], [x for s in every for x in s.decode],
                             min(s.kv_capacity_tokens for s in every), *limits, measured_at)
     biggest = int(max(x.x for s in every for x in s.decode))
+    handoff = base.handoff_overhead_s if handoff_overhead_s is None else handoff_overhead_s
     cm = base.model_copy(update={
         "name": name, "model": model, "engine": pool, "instances": {iid: f.engine for iid, f in fits.items()},
-        "slo": slo_targets(pool, base.transfer, biggest, serving_overhead_s),
-        "serving_overhead_s": serving_overhead_s, "calibrated": True})
+        "slo": slo_targets(pool, base.transfer, biggest, serving_overhead_s + handoff),
+        "serving_overhead_s": serving_overhead_s, "handoff_overhead_s": handoff, "calibrated": True})
     return CostModel.model_validate(cm.model_dump()), fits
 
 
@@ -322,6 +329,15 @@ def serving_overhead(outside_engines_s: list[float]) -> float:
     if not outside_engines_s:
         raise CalibrationError("no requests through the app were measured")
     return max(float(np.median(outside_engines_s)), 0.0)
+
+
+def handoff_overhead(crossed_outside_s: list[float], serving_overhead_s: float) -> float | None:
+    """What a hand-off adds to the serving path, unloaded: the median time outside the engines of lone
+    requests that went through a prefill engine (its reply, then the decode call) less the one-engine
+    path's (`serving_overhead`); never negative. None when no request went through a prefill engine."""
+    if not crossed_outside_s:
+        return None
+    return max(float(np.median(crossed_outside_s)) - serving_overhead_s, 0.0)
 
 
 def live_transfer(lone: list, cm: CostModel) -> tuple[TransferConstants, bool] | None:
@@ -343,8 +359,9 @@ def live_transfer(lone: list, cm: CostModel) -> tuple[TransferConstants, bool] |
     if len(by_length) >= 2:
         xs = sorted(by_length)
         slope, intercept = np.polyfit(xs, [float(np.median(by_length[x])) for x in xs], 1)
-        if slope > 0:
-            return TransferConstants(latency_s=round(max(float(intercept), 0.0), 6), tokens_per_s=1.0 / slope), True
+        if slope > 0:  # what the profile says of how the transfer moves (`between_prefill_steps`) is kept
+            return cm.transfer.model_copy(update={"latency_s": round(max(float(intercept), 0.0), 6),
+                                                  "tokens_per_s": 1.0 / slope}), True
     fixed = float(np.median([s - t / cm.transfer.tokens_per_s for t, s in pulls]))
     return cm.transfer.model_copy(update={"latency_s": round(max(fixed, 0.0), 6)}), False
 

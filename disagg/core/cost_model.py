@@ -174,6 +174,11 @@ class SharedHost(_Strict):
 class TransferConstants(_Strict):
     latency_s: float = Field(ge=0.0, le=10.0, description="fixed cost of one KV transfer (s)")
     tokens_per_s: float = Field(gt=0.0, description="KV transfer bandwidth in tokens per second")
+    between_prefill_steps: bool = Field(
+        default=False,
+        description="the prefill engine's side of a transfer moves only between its steps (NIXL without a "
+                    "progress thread, as on the CPU profile): a transfer due while that engine runs a step "
+                    "ends with the step")
 
     def transfer_s(self, tokens: int) -> float:
         return self.latency_s + tokens / self.tokens_per_s
@@ -202,6 +207,11 @@ class CostModel(_Strict):
         default=0.0, ge=0.0, le=10.0,
         description="time a request spends outside the engines before its first token reaches the client "
                     "(HTTP proxy, router, Serve hops), unloaded; measured by `disagg calibrate --url`",
+    )
+    handoff_overhead_s: float = Field(
+        default=0.0, ge=0.0, le=10.0,
+        description="time a disaggregated request spends outside the engines beyond `serving_overhead_s`, "
+                    "unloaded: the prefill call's reply and the decode call; measured by `disagg calibrate --live`",
     )
     shared_host: SharedHost | None = Field(
         default=None, description="engines sharing one host's processors with each other and the serving path "
@@ -240,11 +250,12 @@ class CostModel(_Strict):
 
     def unloaded(self, prompt_tokens: int) -> SloTarget:
         """The request's own latency on an idle disaggregated fleet, by the pool's constants: TTFT =
-        its prefill, the KV transfer, the first decode step and the serving path; TPOT = a decode
-        step at batch 1. An SLO scale of x makes x times these the request's targets (DistServe)."""
+        its prefill, the KV transfer, the first decode step and the serving path with its hand-off; TPOT =
+        a decode step at batch 1. An SLO scale of x makes x times these the request's targets (DistServe)."""
         e = self.engine
+        outside = self.serving_overhead_s + self.handoff_overhead_s
         return SloTarget(ttft_s=e.prefill_s(prompt_tokens) + self.transfer.transfer_s(prompt_tokens)
-                         + e.decode_token_s(1) + self.serving_overhead_s, tpot_s=e.decode_token_s(1))
+                         + e.decode_token_s(1) + outside, tpot_s=e.decode_token_s(1))
 
     @cached_property
     def max_kv_capacity_tokens(self) -> int:

@@ -170,6 +170,26 @@ class HostShare:
         requests = self.host.request_cores(self.requests.at(now)) if self.host.request_cpu_s else 0.0
         return self.host.stretch(len(self.loads), self.total, requests)
 
+    def spin(self, instance_id: str) -> None:
+        """The engine steps with nothing to compute: vLLM's engine loop keeps stepping (schedule, a
+        call to the worker that polls the KV connector) while a KV transfer it is part of is pending
+        — a finished prefill's KV awaiting its pull, a decode's awaiting its arrival — so it takes
+        a busy engine's share of the host and streams nothing (docs/results.md: a lone hand-off's
+        decode engine spent as much CPU as a colocated 1,024-token prefill and decode)."""
+        old = self.loads.get(instance_id)
+        if old is None:
+            self.busy_changes += 1
+        elif old:
+            self.total -= old
+        self.loads[instance_id] = 0.0
+
+    def stretch_at(self, now: float) -> float:
+        """How many times slower than alone the host runs work at `now`: the stretch of a step planned
+        now, which the serving path's own time outside the engines takes too (one model of the host
+        for the engines and the processes beside them)."""
+        requests = self.host.request_cores(self.requests.at(now)) if self.host.request_cpu_s else 0.0
+        return self.host.stretch(len(self.loads), self.total, requests)
+
     def idle(self, instance_id: str) -> None:
         old = self.loads.pop(instance_id, None)
         if old is not None:
@@ -292,6 +312,14 @@ class EngineModel:
     def step_end(self) -> float:
         return self._start + self._k * self._dur
 
+    def step_in_flight_end(self, t: float) -> float | None:
+        """The end of the step this engine runs at `t` (one step of a macro step); None when it runs
+        none begun before `t`: idle, or between steps."""
+        if not self.busy or self._start >= t:
+            return None
+        end = self._start + max(1, math.ceil((t - self._start) / self._dur - 1e-9)) * self._dur
+        return end if end > t else None
+
     # --- the step ------------------------------------------------------------------------------
 
     def _blocks_for(self, tokens: int) -> int:
@@ -315,7 +343,7 @@ class EngineModel:
     def _plan(self, now: float) -> float | None:
         if not (self.waiting or self.ready or self.decoding or self.prefilling):
             if self.share is not None:
-                self.share.idle(self.instance_id)
+                self._between_steps(self.share)
             return None  # nothing to run (a common poke: a transfer out just freed blocks)
         self.version += 1
         if self.ready:
@@ -373,7 +401,7 @@ class EngineModel:
         else:
             self.busy = False
             if self.share is not None:
-                self.share.idle(self.instance_id)
+                self._between_steps(self.share)
             return None
         # nothing that changes the decoding batch happens before `end_step`, which allocates these blocks,
         # unless a poke cuts the step short
@@ -381,6 +409,13 @@ class EngineModel:
         self.busy = True
         self._start = now
         return now + self._k * self._dur
+
+    def _between_steps(self, share: HostShare) -> None:
+        """Nothing to compute: idle on the shared host, or spinning while a KV transfer is pending."""
+        if self.holding or self.transferring:
+            share.spin(self.instance_id)
+        else:
+            share.idle(self.instance_id)
 
     def _prefill_chunks(self, n: int, grown: int, preempted: bool) -> list[tuple[Job, int]]:
         """The prefill chunks of the next step beside `n` decoding sequences that allocate `grown` new

@@ -12,12 +12,16 @@ just before the first event after that tick; the simulator snapshots it then (an
 decision), which gives the same views as polling every tick at a fraction of the cost.
 
 A request's life: arrival → policy → prefill-only job on the prefill instance → first token there →
-on the decode instance, admission (blocks for the prompt) → KV transfer (calibrated latency +
-tokens / bandwidth) → the prefill instance frees its blocks → decode → last token. TTFT is the
-first token the *client* sees, produced by the decode instance's first step (as in vLLM's
-disaggregated flow). A colocated decision runs prefill and decode on the decode instance; a
-hosted one (`Policy.may_host`) runs both on the prefill instance, whose ledger view then counts
-only the request's prefill as queue, until its first token (`StepOutcome.started`).
+the prefill call's reply and the decode call (`handoff_overhead_s`, at the host's stretch) → on the
+decode instance, admission (blocks for the prompt) → KV transfer (calibrated latency + tokens /
+bandwidth; with `between_prefill_steps`, as NIXL without a progress thread moves it on CPU, a
+transfer due while the prefill instance runs a step ends with that step) → the prefill instance
+frees its blocks → decode → last token. TTFT is the first token the *client* sees, produced by the
+decode instance's first step (as in vLLM's disaggregated flow), plus the serving path's time
+outside the engines (`serving_overhead_s`, at the host's stretch when the request came). A
+colocated decision runs prefill and decode on the decode instance; a hosted one (`Policy.may_host`)
+runs both on the prefill instance, whose ledger view then counts only the request's prefill as
+queue, until its first token (`StepOutcome.started`).
 A prompt no instance can ever hold is rejected (`NoCapacity`) and counted as a failure.
 
 Several router replicas (`routers=K`, default 1): arrivals go to the routers in turn (as Serve's
@@ -154,6 +158,7 @@ class _Flight:
     prefill_work_s: float = 0.0  # priced at admission; the calls carry it to the engines' ledgers
     decode_work_s: float = 0.0
     call_work_s: float = 0.0  # what the call serving its last token carries to that engine's ledger
+    outside_s: float = 0.0  # its time outside the engines (the serving path), by the host's load at arrival
 
 
 @dataclass(slots=True)
@@ -507,14 +512,13 @@ class Simulator:
                         signals.ongoing(Role.PREFILL, -1, now)
                         signals.ongoing(Role.DECODE, 1, now)
                     self._call_ended(iid, f.router, f.prefill_work_s)  # the prefill call returns
-                    dj = Job(f.rid, f.req.prompt_tokens, f.req.output_tokens, remote_kv=True, payload=f)
-                    f.decode_job = dj
-                    refresh(f.decode_id, now)
-                    self._call_arrived(f.decode_id, f.router, f.decode_work_s)  # the decode call arrives
-                    if self.peer_notify_s is not None:
-                        self._notify_peers(f.router, f.decode_id, f.decode_work_s, now)
-                    engines[f.decode_id].submit(dj)
-                    poke(f.decode_id, now)
+                    f.decode_job = Job(f.rid, f.req.prompt_tokens, f.req.output_tokens, remote_kv=True, payload=f)
+                    hop = self.cm.handoff_overhead_s
+                    if hop:  # the reply and the decode call cross the serving path, at the host's stretch
+                        self._push(now + hop * (share.stretch_at(now) if share is not None else 1.0), _TRANSFER,
+                                   ("call", f))
+                    else:
+                        self._call_decode(f, now)
                 for job in out.finished:
                     f = job.payload
                     self._call_ended(iid, f.router, f.call_work_s)
@@ -534,8 +538,15 @@ class Simulator:
                     if progress:
                         progress(1)
                 poke(iid, now)
+            elif kind == "call":
+                self._call_decode(ev[1], now)
             elif kind == "kv":
                 f = ev[1]
+                if self.cm.transfer_between(f.prefill_id, f.decode_id).between_prefill_steps:
+                    held = engines[f.prefill_id].step_in_flight_end(now)
+                    if held is not None:  # the prefill engine's side moves once its step ends
+                        self._push(held, _TRANSFER, ("kv", f))
+                        continue
                 refresh(f.prefill_id, now)
                 refresh(f.decode_id, now)
                 engines[f.prefill_id].release(f.prefill_job)
@@ -580,6 +591,8 @@ class Simulator:
                         progress(1)
                     continue
                 f = _Flight(r, rid, slo, predicted, d.prefill_id, d.decode_id, router=k)
+                # the serving path's time, taken at the host's stretch as the request comes in
+                f.outside_s = self.cm.serving_overhead_s * (share.stretch_at(now) if share is not None else 1.0)
                 self._admit(f, now)
         extra = {}
         if fleet is not None:
@@ -597,6 +610,15 @@ class Simulator:
             extra=extra,
             sim_cpu_s=time.process_time() - cpu0,
         )
+
+    def _call_decode(self, f: _Flight, now: float) -> None:
+        """The decode call of `f`, whose prefill has returned, reaches its decode instance."""
+        self._refresh(f.decode_id, now)
+        self._call_arrived(f.decode_id, f.router, f.decode_work_s)
+        if self.peer_notify_s is not None:
+            self._notify_peers(f.router, f.decode_id, f.decode_work_s, now)
+        self.engines[f.decode_id].submit(f.decode_job)
+        self._poke(f.decode_id, now)
 
     def _admit(self, f: _Flight, now: float) -> None:
         r = f.req
@@ -743,8 +765,8 @@ class Simulator:
     def _record(self, f: _Flight, job: Job, now: float) -> RequestRecord:
         # the class's targets read directly: this runs once per request
         target = self.cm.slo[f.slo] if self.slo_scale is None else self._target(f.req.prompt_tokens, f.slo)
-        # the serving path outside the engines, as a fixed delay of the response stream
-        late = self.cm.serving_overhead_s
+        # the serving path outside the engines, as a delay of the response stream
+        late = f.outside_s
         return RequestRecord.served(
             f.rid, f.req, f.slo, f.prefill_id, f.decode_id, f.predicted,
             t_first=job.t_first + late, t_last=now + late, ttft_target_s=target.ttft_s, tpot_target_s=target.tpot_s,

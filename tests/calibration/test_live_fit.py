@@ -51,6 +51,17 @@ def test_each_instance_gets_its_own_constants_and_the_pool_default_lies_between(
     assert cm2.engine.kv_capacity_tokens == 50_000 and cm2.for_instance("b").kv_capacity_tokens == 100_000
 
 
+def test_a_measured_hand_off_enters_the_model_and_the_slo_rule_an_unmeasured_one_is_kept():
+    samples = {"prefill-a": instance(FAST), "decode-b": instance(SLOW, seed=1)}
+    base = BASE.model_copy(update={"handoff_overhead_s": 0.003})
+    kept, _ = fit_fleet(samples, base, "live", "tiny:tiny", 0.02, "t")
+    measured, _ = fit_fleet(samples, base, "live", "tiny:tiny", 0.02, "t", handoff_overhead_s=0.008)
+    assert kept.handoff_overhead_s == 0.003 and measured.handoff_overhead_s == 0.008
+    # the tight TTFT is twice a disaggregated request's unloaded time, its hand-off's serving path included
+    grown = measured.slo[SloClass.TIGHT].ttft_s - kept.slo[SloClass.TIGHT].ttft_s
+    assert grown == pytest.approx(2 * 0.005)
+
+
 def test_an_instance_whose_fit_is_refused_refuses_the_whole_and_names_it():
     flat = instance(FAST)
     flat.prefill = [Sample(s.x, 0.01) for s in flat.prefill]  # does not grow with the prompt

@@ -67,6 +67,17 @@ def test_two_prompt_lengths_measure_the_kv_transfers_fixed_cost_and_bandwidth():
     xfer, measured = live_transfer(lones, cm)
     assert measured and xfer.latency_s == pytest.approx(0.012, abs=1e-6)
     assert xfer.tokens_per_s == pytest.approx(150_000.0, rel=1e-3)
+    assert xfer.between_prefill_steps  # how the profile's KV moves (NIXL on CPU) is kept, not measured away
+
+
+def test_a_hand_off_is_what_crossing_adds_to_the_one_engine_serving_path():
+    from calibration.fit import handoff_overhead, serving_overhead
+
+    alone = serving_overhead([0.008, 0.007, 0.009, 0.030])  # a slow outlier moves no median
+    assert alone == pytest.approx(0.0085)
+    assert handoff_overhead([0.012, 0.013, 0.011, 0.1], alone) == pytest.approx(0.0125 - 0.0085)
+    assert handoff_overhead([0.005], alone) == 0.0  # never negative
+    assert handoff_overhead([], alone) is None  # nothing crossed: not measured
 
 
 def test_one_length_or_a_falling_line_keeps_the_bandwidth_and_measures_the_fixed_cost():

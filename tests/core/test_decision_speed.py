@@ -36,7 +36,6 @@ class ReferenceSloGoodput(SloGoodput):
         ttft_t, tpot_t, tpot_others = target.ttft_s, target.tpot_s, self._tpot_floor_s
         prompt = req.prompt_tokens
         out = max(1, req.predicted_output_tokens)
-        overhead = cm.serving_overhead_s
         decode_ok = feasible(decode, req, "decode")
         prefill_ok = [v for v in prefill if fits(v, prompt)]
         if not prefill_ok and not prm.allow_colocated:
@@ -46,6 +45,9 @@ class ReferenceSloGoodput(SloGoodput):
         if cm.shared_host is not None:
             self._requests.arrive(now)
             host = _HostLoad(cm, cm.shared_host, prefill, decode, spread, tpot_others, self._requests.at(now))
+        # the serving path at the host's stretch; a pair's hand-off crosses it once more
+        overhead = cm.serving_overhead_s * (1.0 if host is None else host.sigma)
+        handoff = cm.handoff_overhead_s * (1.0 if host is None else host.sigma)
         ends = []
         for p in prefill_ok:
             q = p.backlog_s
@@ -80,7 +82,7 @@ class ReferenceSloGoodput(SloGoodput):
                 first = ec.step_s(ec.max_batched_tokens - b - 1, b + 1) * sigma_d if pending > arrive else step
                 if b:
                     first *= 1.5
-                ttft = arrive + first + overhead
+                ttft = arrive + first + overhead + handoff
                 tpot = tau_after + max(0.0, pending - arrive) / out
                 after = _miss(tau_after + pending / out, tpot_others, spread) if b else 0.0
                 meet = (1.0 - _miss(ttft, ttft_t, spread)) * (1.0 - _miss(tpot, tpot_t, spread)) * ok_kv
@@ -180,13 +182,14 @@ def _cost_models():
                                    "p1->d2": {"latency_s": 0.05, "tokens_per_s": 1e4}})
     overhead = make_cost_model(serving_overhead_s=0.03, engine=engine_dict(prefill_token_s=0.0001))
     # every constant the cost model has set at once, so no term of either policy goes unchecked
-    every = make_cost_model(serving_overhead_s=0.01,
+    every = make_cost_model(serving_overhead_s=0.01, handoff_overhead_s=0.006,
                             engine=engine_dict(prefill_overhead_s=0.004, prefill_attention_s=2e-9),
                             instances={"d0": engine_dict(prefill_attention_s=5e-9, decode_seq_s=0.001)},
                             pairs={"p0->d1": {"latency_s": 0.01, "tokens_per_s": 5e4}})
     assert all(v for k, v in every.engine.model_dump().items() if k != "measured_at"), every.engine
     # engines on one host: the stretch, the serving path's CPU and the prefill's stall priced too
-    shared = make_cost_model(engine=engine_dict(prefill_token_s=0.0001),
+    shared = make_cost_model(engine=engine_dict(prefill_token_s=0.0001), serving_overhead_s=0.01,
+                             handoff_overhead_s=0.005,
                              shared_host={"engine_cores": 1.0, "cores": 2.0, "token_cpu_s": 0.0005})
     return {"a40": a40, "small": small, "hetero": hetero, "pairs": pairs, "overhead": overhead, "every": every,
             "shared": shared}

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from disagg.core.cost_model import CostModel, CostModelError, SharedHost, load_profile
-from disagg.core.engine_model import EngineModel, HostShare, Job, RequestRate
+from disagg.core.engine_model import EngineModel, HostShare, Job, JobState, RequestRate
 from disagg.sim.runner import prepare_trace, simulate
 from disagg.sim.simulator import Topology
 from disagg.sim.workloads import generate
@@ -226,3 +226,107 @@ def test_the_estimator_prices_a_query_at_the_stretch_its_busy_peers_give():
     handling = SharedHost(engine_cores=1, cores=2, request_cpu_s=0.02)
     arriving = peer_share(handling, [], RequestRate(rate=50.0, at=0.0))
     assert estimate_ttft(c, InstanceSnapshot(), 100, host=arriving).ttft_s == pytest.approx(1.5 * alone, rel=0.01)
+
+
+# --- the KV hand-off on a shared host -------------------------------------------------------------
+
+
+def test_an_engine_holding_or_awaiting_kv_is_busy_on_the_host_though_it_computes_nothing():
+    """vLLM's engine loop keeps stepping while a KV transfer it is part of is pending, so such an
+    engine takes its share of the host like any busy one."""
+    share = HostShare(ONE_CORE)
+    prefill, decode = EngineModel("p", consts(), share), EngineModel("d", consts(), share)
+    job = Job("x", prompt=40, target=3, prefill_only=True)
+    prefill.submit(job)
+    prefill.end_step(prefill.poke(0.0))
+    assert prefill.poke(1.0) is None and job.state is JobState.HOLDING
+    assert share.busy == 1  # nothing to compute, its KV awaiting the pull
+    pulled = Job("x", prompt=40, target=3, remote_kv=True)
+    decode.submit(pulled)
+    assert decode.poke(1.0) is None and decode.take_transfers() == [pulled]
+    assert share.busy == 2  # nothing to compute, its KV on the way
+    assert share.total == 0.0  # and neither streams a token
+    prefill.release(job)
+    prefill.poke(1.01)
+    decode.kv_arrived(pulled)
+    decode.poke(1.01)  # now decoding: busy with steps
+    assert share.busy == 1 and "p" not in share.loads
+
+
+def test_the_step_in_flight_is_found_within_a_macro_step():
+    e = EngineModel("d", consts())
+    assert e.step_in_flight_end(0.0) is None  # idle
+    e.submit(Job("a", prompt=16, target=5))
+    e.end_step(e.poke(0.0))
+    end = e.poke(0.026)  # a macro step of 4 decode steps of 12 ms from 26 ms
+    assert end == pytest.approx(0.026 + 4 * 0.012)
+    assert e.step_in_flight_end(0.030) == pytest.approx(0.038)
+    assert e.step_in_flight_end(0.045) == pytest.approx(0.050)
+    assert e.step_in_flight_end(0.050) is None  # at a boundary: between steps
+    assert e.step_in_flight_end(0.026) is None  # a step begun at `t` is not in flight at `t`
+
+
+def _lone_then_long(between_steps: bool, hop: float = 0.0):
+    """A short prompt, then a long one on the same prefill engine 1 ms later: the first's KV is
+    due while the prefill engine runs the second's prefill. Records by request, 1P1D, no shared host."""
+    from disagg.sim.traces import TraceRequest
+
+    cm = load_profile("cpu-tiny")
+    cm = cm.model_copy(update={"transfer": cm.transfer.model_copy(update={"between_prefill_steps": between_steps}),
+                               "handoff_overhead_s": hop})
+    trace = prepare_trace([TraceRequest(0.0, 64, 4), TraceRequest(0.001, 2000, 4)], None, 0.5, 0)
+    _, result = simulate(trace, cm, Topology.parse("1P1D"), "round_robin")
+    return cm, sorted(result.records, key=lambda r: r.arrival_s)
+
+
+def test_a_transfer_due_while_the_prefill_engine_runs_a_step_ends_with_that_step():
+    cm, (free, _) = _lone_then_long(between_steps=False)
+    _, (gated, _) = _lone_then_long(between_steps=True)
+    e = cm.engine
+    short_prefill = e.prefill_s(64)
+    long_step = e.prefill_s(2000)  # one step: 2,000 tokens fit the 2,048-token budget
+    # free: the KV lands a transfer after the short prefill, then one decode step
+    assert free.ttft_s == pytest.approx(short_prefill + cm.transfer.transfer_s(64) + e.step_s(0, 1))
+    # gated: the prefill engine started the long prompt at once, and the KV moves when that step ends
+    assert gated.ttft_s == pytest.approx(short_prefill + long_step + e.step_s(0, 1))
+
+
+def test_a_hand_off_crosses_the_serving_path_once_more_before_the_decode_engine_sees_it():
+    from disagg.sim.traces import TraceRequest
+
+    _, (base, _) = _lone_then_long(between_steps=False)
+    _, (crossed, _) = _lone_then_long(between_steps=False, hop=0.007)
+    assert crossed.ttft_s == pytest.approx(base.ttft_s + 0.007)  # no shared host: its unloaded time
+    cm = load_profile("cpu-tiny").model_copy(update={"handoff_overhead_s": 0.007})
+    lone = prepare_trace([TraceRequest(0.0, 64, 4)], None, 0.5, 0)
+    with_hop, _ = simulate(lone, cm, Topology.parse("1P1D"), "colocated")
+    without, _ = simulate(lone, load_profile("cpu-tiny"), Topology.parse("1P1D"), "colocated")
+    assert with_hop["ttft_p50_s"] == without["ttft_p50_s"]  # a request served on one engine makes no hand-off
+
+
+def test_the_serving_paths_time_runs_at_the_hosts_stretch(trace):
+    """The time outside the engines is CPU work on the shared host too: under load it stretches
+    as the engines' steps do; on engines that own their devices it is the unloaded constant."""
+    base = load_profile("cpu-tiny")
+    runs = {}
+    for name, host in (("own", None), ("shared", ONE_CORE)):
+        for overhead in (0.0, 0.02):
+            cm = base.model_copy(update={"shared_host": host, "serving_overhead_s": overhead})
+            _, result = simulate(trace, cm, Topology.parse("1P2D"), "colocated")
+            runs[name, overhead] = {r.request_id: r.ttft_s for r in result.records}
+    own = [runs["own", 0.02][k] - runs["own", 0.0][k] for k in runs["own", 0.0]]
+    shared = sorted(runs["shared", 0.02][k] - runs["shared", 0.0][k] for k in runs["shared", 0.0])
+    assert own == pytest.approx([0.02] * len(own))
+    assert shared[0] >= 0.02 - 1e-9 and shared[len(shared) // 2] > 1.5 * 0.02
+
+
+def test_a_hosts_stretch_now_counts_its_busy_engines_and_the_requests_coming():
+    host = SharedHost(engine_cores=1, cores=2, request_cpu_s=0.05)
+    share = HostShare(host)
+    assert share.stretch_at(0.0) == 1.0  # nothing busy
+    share.step("a", tokens=0, seconds=0.01, now=0.0)
+    share.step("b", tokens=0, seconds=0.01, now=0.0)
+    assert share.stretch_at(0.0) == pytest.approx(2.0)
+    for i in range(100):  # 20 requests a second for 5 s: one core of the serving path, half of each
+        share.arrive(i * 0.05)
+    assert share.stretch_at(4.95) == pytest.approx(2.5, rel=0.02)

@@ -96,9 +96,12 @@ def test_the_shipped_policy_prices_the_fitted_host_live(client, stack):
     assert constants["shared_host"] is not None  # the fit's host terms: the pricing under test
     if stack.host_fit is not None:  # a stack this session started and fitted
         # the shipped policy sends no lone request through a prefill engine: the fit routed some there
-        # itself to measure the KV hand-off (not the profile's guess), and gave the app its policy back
+        # itself to measure the KV hand-off and its serving path (not the profile's guesses), and gave
+        # the app its policy back
         assert "no request crossed" not in stack.host_fit_summary, stack.host_fit_summary
+        assert "a hand-off" in stack.host_fit_summary and "round_robin" in stack.host_fit_summary
         assert stack.policy_after_fit == stack.shipped_policy
+        assert constants["transfer"]["between_prefill_steps"] is True  # the CPU profile's NIXL, kept by the fit
     set_policy(client, stack.shipped_policy)
     try:
         prompts = [f"Request {i} shares two cores with its neighbours. " * (2 + 6 * i) for i in range(6)]

@@ -229,7 +229,7 @@ class SloGoodput(Policy):
         # first: `_Priced`), and the cost to beat lets the next kind skip its hopeless candidates early
         best = self._best_pair(req, out, target, ends, sites, now, None, host)
         if prm.allow_colocated:
-            best = self._best_colocated(req, out, target, sites, best)
+            best = self._best_colocated(req, out, target, sites, best, host)
         if prm.allow_hosted:
             best = self._best_hosted(req, out, target, ends, now, best, host)
 
@@ -261,7 +261,9 @@ class SloGoodput(Policy):
         if not ends:
             return best
         prm, cm = self.params, self.cost_model
-        spread, w, overhead = prm.latency_error, prm.work_weight, cm.serving_overhead_s
+        spread, w = prm.latency_error, prm.work_weight
+        # the serving path and the hand-off's calls, at the host's stretch
+        overhead = (cm.serving_overhead_s + cm.handoff_overhead_s) * (1.0 if host is None else host.sigma)
         prompt, ttft_t, tpot_t, tpot_others = req.prompt_tokens, target.ttft_s, target.tpot_s, self._tpot_floor_s
 
         # a pair depends on its prefill instance through the prefill's end and the TPOT misses that
@@ -323,11 +325,12 @@ class SloGoodput(Policy):
         return best
 
     def _best_colocated(self, req: RequestFeatures, out: int, target: SloTarget, sites: list[tuple],
-                        best: _Priced | None) -> _Priced | None:
+                        best: _Priced | None, host: "_HostLoad | None" = None) -> _Priced | None:
         """The cheapest colocated placement — an instance of `sites` (`_decode_sites`) prefilling the
         request beside its decodes, then decoding it — if it beats `best`, else `best`."""
         prm, cm = self.params, self.cost_model
-        spread, w, overhead = prm.latency_error, prm.work_weight, cm.serving_overhead_s
+        spread, w = prm.latency_error, prm.work_weight
+        overhead = cm.serving_overhead_s * (1.0 if host is None else host.sigma)
         prompt, ttft_t, tpot_t, tpot_others = req.prompt_tokens, target.ttft_s, target.tpot_s, self._tpot_floor_s
         erfc, k = math.erfc, _INV_SQRT2
         best_cost = math.inf if best is None else best[0]
@@ -367,7 +370,8 @@ class SloGoodput(Policy):
         """The cheapest hosted placement — a prefill instance of `ends` (`_prefill_ends`) serving the
         request whole: no transfer, and its KV holds the decode — if it beats `best`, else `best`."""
         prm, cm = self.params, self.cost_model
-        spread, w, overhead = prm.latency_error, prm.work_weight, cm.serving_overhead_s
+        spread, w = prm.latency_error, prm.work_weight
+        overhead = cm.serving_overhead_s * (1.0 if host is None else host.sigma)
         prompt, ttft_t, tpot_t, tpot_others = req.prompt_tokens, target.ttft_s, target.tpot_s, self._tpot_floor_s
         erfc, k = math.erfc, _INV_SQRT2
         same_engine = not cm.instances
