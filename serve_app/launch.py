@@ -473,8 +473,8 @@ def _fit_host(stack: LocalStack) -> None:
         return
     for path, summary in fitted:
         keep = [line for line in summary.splitlines()
-                if line.startswith(("settled", "still above", "serving path", "SLO ", "KV transfer", "held-out",
-                                    "shared host"))]
+                if line.startswith(("settled", "still above", "serving path", "lone requests", "SLO ", "KV transfer",
+                                    "held-out", "shared host"))]
         print("\n".join(keep), flush=True)
         print(f"the router prices with {path} (fitted in {time.monotonic() - t0:.0f} s); `disagg bench` judges "
               "goodput against it", flush=True)
