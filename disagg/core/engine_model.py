@@ -167,8 +167,7 @@ class HostShare:
             old = 0.0
         self.loads[instance_id] = load
         self.total += load - old
-        requests = self.host.request_cores(self.requests.at(now)) if self.host.request_cpu_s else 0.0
-        return self.host.stretch(len(self.loads), self.total, requests)
+        return self.stretch_at(now)
 
     def spin(self, instance_id: str) -> None:
         """The engine steps with nothing to compute: vLLM's engine loop keeps stepping (schedule, a

@@ -90,10 +90,11 @@ class SloGoodput(Policy):
     - The request's TTFT: the queue on the prefill site + the prefill of the prompt tokens *not*
       cached there + the KV transfer of the tokens the decode instance does not hold + its first
       decode step (half a step more when a batch is in flight; a full prefill chunk more when the
-      decode instance is busy with a colocated prefill then) + the serving overhead. Colocated: the
+      decode instance is busy with a colocated prefill then) + the serving overhead and the
+      hand-off's (`handoff_overhead_s`: the prefill call's reply, the decode call). Colocated: the
       queue of colocated prefills there + the uncached prefill, chunked beside b decoding sequences.
       Hosted: the prefill instance's queue + the uncached prefill (its last chunk gives the first
-      token) + the serving overhead.
+      token) + the serving overhead. On a shared host the overheads run at its stretch too.
     - Its TPOT: τ_dec(b + 1) on the decode instance, plus the colocated prefill time still pending
       there when it starts decoding, spread over its ô tokens.
     - Each of the b requests running on the decode instance: TPOT τ_dec(b) + pending colocated
@@ -262,8 +263,7 @@ class SloGoodput(Policy):
             return best
         prm, cm = self.params, self.cost_model
         spread, w = prm.latency_error, prm.work_weight
-        # the serving path and the hand-off's calls, at the host's stretch
-        overhead = (cm.serving_overhead_s + cm.handoff_overhead_s) * (1.0 if host is None else host.sigma)
+        overhead = _outside_s(cm, host, handoff=True)
         prompt, ttft_t, tpot_t, tpot_others = req.prompt_tokens, target.ttft_s, target.tpot_s, self._tpot_floor_s
 
         # a pair depends on its prefill instance through the prefill's end and the TPOT misses that
@@ -330,7 +330,7 @@ class SloGoodput(Policy):
         request beside its decodes, then decoding it — if it beats `best`, else `best`."""
         prm, cm = self.params, self.cost_model
         spread, w = prm.latency_error, prm.work_weight
-        overhead = cm.serving_overhead_s * (1.0 if host is None else host.sigma)
+        overhead = _outside_s(cm, host, handoff=False)
         prompt, ttft_t, tpot_t, tpot_others = req.prompt_tokens, target.ttft_s, target.tpot_s, self._tpot_floor_s
         erfc, k = math.erfc, _INV_SQRT2
         best_cost = math.inf if best is None else best[0]
@@ -371,7 +371,7 @@ class SloGoodput(Policy):
         request whole: no transfer, and its KV holds the decode — if it beats `best`, else `best`."""
         prm, cm = self.params, self.cost_model
         spread, w = prm.latency_error, prm.work_weight
-        overhead = cm.serving_overhead_s * (1.0 if host is None else host.sigma)
+        overhead = _outside_s(cm, host, handoff=False)
         prompt, ttft_t, tpot_t, tpot_others = req.prompt_tokens, target.ttft_s, target.tpot_s, self._tpot_floor_s
         erfc, k = math.erfc, _INV_SQRT2
         same_engine = not cm.instances
@@ -482,6 +482,13 @@ def _step_times(ec: EngineConstants, b: int) -> tuple[float, float, float, float
     chunk, and the stretch they run at (1: alone)."""
     return (ec.decode_token_s(b), ec.decode_token_s(b + 1), ec.step_s(0, b + 1),
             ec.step_s(ec.max_batched_tokens - b - 1, b + 1), 1.0)
+
+
+def _outside_s(cm: CostModel, host: "_HostLoad | None", handoff: bool) -> float:
+    """A placement's time outside the engines: the serving path, and for a pair the hand-off's second
+    crossing of it (the prefill call's reply, the decode call), at the host's stretch."""
+    unloaded = cm.serving_overhead_s + (cm.handoff_overhead_s if handoff else 0.0)
+    return unloaded if host is None else unloaded * host.sigma
 
 
 class _HostLoad:
