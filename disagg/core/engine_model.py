@@ -174,7 +174,8 @@ class HostShare:
         call to the worker that polls the KV connector) while a KV transfer it is part of is pending
         — a finished prefill's KV awaiting its pull, a decode's awaiting its arrival — so it takes
         a busy engine's share of the host and streams nothing (docs/results.md: a lone hand-off's
-        decode engine spent as much CPU as a colocated 1,024-token prefill and decode)."""
+        decode engine spent more CPU on a two-token answer than an engine serving a whole
+        1,024-token request)."""
         old = self.loads.get(instance_id)
         if old is None:
             self.busy_changes += 1
