@@ -160,13 +160,7 @@ class HostShare:
 
     def step(self, instance_id: str, tokens: int, seconds: float, now: float) -> float:
         """An engine plans a step of `seconds` (alone) at `now` that streams `tokens`: its stretch."""
-        load = self.host.serving_cores(tokens, seconds)
-        old = self.loads.get(instance_id)
-        if old is None:
-            self.busy_changes += 1
-            old = 0.0
-        self.loads[instance_id] = load
-        self.total += load - old
+        self._busy(instance_id, self.host.serving_cores(tokens, seconds))
         return self.stretch_at(now)
 
     def spin(self, instance_id: str) -> None:
@@ -176,12 +170,16 @@ class HostShare:
         a busy engine's share of the host and streams nothing (docs/results.md: a lone hand-off's
         decode engine spent more CPU on a two-token answer than an engine serving a whole
         1,024-token request)."""
+        self._busy(instance_id, 0.0)
+
+    def _busy(self, instance_id: str, load: float) -> None:
+        """`instance_id` is busy, its serving path needing `load` cores."""
         old = self.loads.get(instance_id)
         if old is None:
             self.busy_changes += 1
-        elif old:
-            self.total -= old
-        self.loads[instance_id] = 0.0
+            old = 0.0
+        self.loads[instance_id] = load
+        self.total += load - old
 
     def stretch_at(self, now: float) -> float:
         """How many times slower than alone the host runs work at `now`: the stretch of a step planned
