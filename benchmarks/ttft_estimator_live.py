@@ -30,6 +30,9 @@ here before the first rate: the median of client TTFT − engine first token ove
 results carry the overhead used and its source. For each, the absolute percentage error |est − measured| / measured:
 its mean (MAPE), median and p10/p90 across requests, and the median signed error (bias).
 It also reports the share of queries whose measured TTFT met their limit, per rate and per model.
+And where the engine's time went (the request log's `decode_engine_timeline`, vLLM's own request
+events), as medians for short and long prompts: the call's way into the engine core's scheduler,
+its wait there, the steps to its first token, and the token's way back to the replica.
 
 Bounded: every request has a timeout, every rate a deadline; the stack is always torn down.
 """
@@ -53,6 +56,8 @@ sys.path.insert(0, str(ROOT))
 from disagg.app_client import COMPLETIONS, ROUTE_HEADER, AppError, AsyncAppClient  # noqa: E402
 from disagg.bench.script import write_result  # noqa: E402
 from disagg.stats import percentile  # noqa: E402
+
+SHORT_PROMPT = 100  # prompt tokens: below it the fixed parts of the engine's time dominate
 
 
 def prompt_of(rng: random.Random, tokens: int) -> list[int]:
@@ -178,6 +183,25 @@ def errors(rows: list[dict], key: str, estimate: str = "estimated_ttft_s") -> di
             "median_estimated_ms": 1e3 * statistics.median(e for e, _ in pairs)}
 
 
+def timeline(rows: list[dict]) -> dict:
+    """Medians of where the engine's time to the first token went (vLLM's request events, as the
+    request log carries them): the call's way into the engine core's scheduler, the wait there for a
+    step, the steps to the first token, and the token's way back to the replica; beside the estimate."""
+    parts = {"into_core": [], "queued": [], "steps": [], "back": [], "estimate": [], "measured": []}
+    for r in rows:
+        t, m = r.get("decode_engine_timeline"), r.get("decode_engine_first_s")
+        if not t or not m or r.get("estimated_ttft_s") is None:
+            continue
+        parts["into_core"].append(t["queued_s"])
+        parts["queued"].append(t["scheduled_s"] - t["queued_s"])
+        parts["steps"].append(t["first_token_s"] - t["scheduled_s"])
+        parts["back"].append(m - t["first_token_s"])
+        parts["estimate"].append(r["estimated_ttft_s"])
+        parts["measured"].append(m)
+    n = len(parts["measured"])
+    return {"n": n, **({f"{k}_ms": 1e3 * statistics.median(v) for k, v in parts.items()} if n else {})}
+
+
 def summarize(rows: list[dict], per_model: bool = True) -> dict:
     ok = [r for r in rows if r.get("estimated_ttft_s") is not None]
     met = [r for r in ok if r.get("client_ttft_s") is not None]
@@ -189,6 +213,8 @@ def summarize(rows: list[dict], per_model: bool = True) -> dict:
         "by_model": {m: sum(1 for r in ok if r["model"] == m) for m in models},
         "engine": errors(ok, "decode_engine_first_s"), "router": errors(ok, "ttft_s"),
         "client": errors(ok, "client_ttft_s", "client_estimated_ttft_s"),
+        "timeline": {"short": timeline([r for r in ok if r["prompt_tokens"] < SHORT_PROMPT]),
+                     "long": timeline([r for r in ok if r["prompt_tokens"] >= SHORT_PROMPT])},
         "met_limit_client": (sum(r["client_ttft_s"] <= r["limit_s"] for r in met) / len(met)) if met else None,
         "met_limit_router": (sum(r["ttft_s"] <= r["limit_s"] for r in ok) / len(ok)) if ok else None,
         "chosen_feasible": (sum(bool(r["feasible"]) for r in ok) / len(ok)) if ok else None,
@@ -204,6 +230,19 @@ def markdown_per_model(results: dict) -> str:
             if e.get("n"):
                 out.append(f"| {rate} | {m} | {pm['served']} | {e['median_measured_ms']:.1f} ms | "
                            f"{e['median_estimated_ms']:.1f} ms | {e['mape']:.0%} | {e['median_signed']:+.0%} |")
+    return "\n".join(out)
+
+
+def markdown_timeline(results: dict) -> str:
+    out = ["| rate req/s | prompts | requests | into the core | queued | steps | back | measured | estimate |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for rate, s in results["rates"].items():
+        for size, t in s["timeline"].items():
+            if t["n"]:
+                label = f"< {SHORT_PROMPT}" if size == "short" else f">= {SHORT_PROMPT}"
+                out.append(f"| {rate} | {label} | {t['n']} | " + " | ".join(
+                    f"{t[k + '_ms']:.1f} ms" for k in ("into_core", "queued", "steps", "back", "measured", "estimate"))
+                    + " |")
     return "\n".join(out)
 
 
@@ -267,8 +306,8 @@ def main(argv=None) -> int:
             results["rates"][f"{rate:g}"] = s = summarize(rows)
             results.setdefault("requests", []).extend(
                 {k: r.get(k) for k in ("rate", "model", "prompt_tokens", "limit_s", "estimated_ttft_s",
-                                       "client_estimated_ttft_s", "decode_engine_first_s", "ttft_s",
-                                       "client_ttft_s", "feasible")}
+                                       "client_estimated_ttft_s", "decode_engine_first_s", "decode_engine_timeline",
+                                       "ttft_s", "client_ttft_s", "feasible")}
                 for r in rows)
             s["failed"] = [r["error"] for r in sent if r["error"]][:5]
             print(f"rate {rate:g}/s: {s['served']}/{s['requests']} served in {time.monotonic() - t0:.0f} s, "
@@ -303,6 +342,8 @@ def main(argv=None) -> int:
     print(markdown(results))
     print()
     print(markdown_per_model(results))
+    print()
+    print(markdown_timeline(results))
     if args.json:
         write_result(args.json, results)
     return 0

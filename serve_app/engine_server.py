@@ -52,8 +52,8 @@ from serve_app.engine import RequestAborted, VllmEngine, engine_processes_under
 from serve_app.engine_args import EngineSpec, kv_events_endpoint
 from serve_app.kv_events import KvEventFollower
 from serve_app.messages import (
-    DecodeCall, DecodeChunk, EngineStateReport, GenerateCall, InvalidRequest, OutputDelta, PrefillCall,
-    PrefillReply, ProbeCall, ProbeKind, ProbeReply,
+    DecodeCall, DecodeChunk, EngineStateReport, EngineTimeline, GenerateCall, InvalidRequest, OutputDelta,
+    PrefillCall, PrefillReply, ProbeCall, ProbeKind, ProbeReply,
 )
 from serve_app.ports import claim_port
 from serve_app.probes import first_output_s, median_step_s, random_prompt
@@ -309,24 +309,24 @@ class EngineServer:
         # scored against (vLLM's own count adds the tokens a decode pulls over NIXL)
         held = self.kv_events.fold.held_tokens(call.prompt_token_ids) if self.kv_events else None
 
-        def delta(outs: list, first: bool, elapsed_s: float) -> OutputDelta:
+        def delta(outs: list, first: bool, called_at: float) -> OutputDelta:
             out = merged(outs)
-            return OutputDelta(output=out.outputs[0], finished=out.finished,
-                               replica=self.replica_id if first else None,
-                               engine_first_token_s=elapsed_s if first else None,
-                               num_cached_tokens=out.num_cached_tokens if first else None,
-                               prompt_logprobs=out.prompt_logprobs if first else None,
-                               held_tokens=held if first else None)
+            if not first:
+                return OutputDelta(output=out.outputs[0], finished=out.finished)
+            return OutputDelta(output=out.outputs[0], finished=out.finished, replica=self.replica_id,
+                               engine_first_token_s=time.monotonic() - called_at,
+                               num_cached_tokens=out.num_cached_tokens, prompt_logprobs=out.prompt_logprobs,
+                               held_tokens=held, engine_timeline=EngineTimeline.of(out.metrics, called_at))
         stream = self.engine.generate(call.request_id, call.prompt_token_ids, call.params, call.kv_transfer_params)
         async for d in self._relayed(call, stream, delta):  # a generator method: Serve streams what it yields
             yield d
 
     async def decode(self, call: DecodeCall, replica: str | None = None) -> AsyncIterator[DecodeChunk]:
-        def chunk(chunks: list, first: bool, elapsed_s: float) -> DecodeChunk:
+        def chunk(chunks: list, first: bool, called_at: float) -> DecodeChunk:
             return DecodeChunk(token_ids=tuple(t for c in chunks for t in c.token_ids),
                                text="".join(c.text for c in chunks), finish_reason=chunks[-1].finish_reason,
                                replica=self.replica_id if first else None,
-                               engine_first_token_s=elapsed_s if first else None,
+                               engine_first_token_s=time.monotonic() - called_at if first else None,
                                logprobs=_joined_logprobs(chunks))
         stream = self.engine.decode(call.request_id, call.prompt_token_ids, call.sampling, call.kv_transfer_params)
         async for c in self._relayed(call, stream, chunk):
@@ -334,15 +334,15 @@ class EngineServer:
 
     async def _relayed(self, call: GenerateCall | DecodeCall, stream: AsyncIterator,
                        item: Callable[[list, bool, float], Any]) -> AsyncIterator:
-        """`stream` batched per interval (`coalesce`), each batch as `item(batch, first, seconds since
-        the call)`: the first names who served it and the engine-side time to the first token. The
-        call is held in this engine's ledger until the stream ends."""
-        t0, first = time.perf_counter(), True
+        """`stream` batched per interval (`coalesce`), each batch as `item(batch, first, the call's
+        time.monotonic())`: the first names who served it and the engine-side time to the first token.
+        The call is held in this engine's ledger until the stream ends."""
+        called_at, first = time.monotonic(), True
         self._admit(call)
         self.streams += 1
         try:
             async for batch in coalesce(stream, self._stream_interval_s):
-                yield item(batch, first, time.perf_counter() - t0)
+                yield item(batch, first, called_at)
                 first = False
         except InvalidRequest:
             raise  # the request's fault, not this engine's: it crosses Ray as itself (the router's 400)

@@ -12,7 +12,7 @@ from typing import Any
 
 from disagg.core.types import Decision, SloClass
 from disagg.core.utility import Choice
-from serve_app.messages import OutputDelta
+from serve_app.messages import EngineTimeline, OutputDelta
 from serve_app.router_text import RouterText
 from serve_app.served_model import ServedModel
 
@@ -55,6 +55,7 @@ class Flight:
     fallback: str | None = None
     prefill_engine_s: float | None = None
     decode_engine_first_s: float | None = None
+    decode_engine_timeline: EngineTimeline | None = None  # where its time to the first token went
     stream: Any = None  # the decode's response stream (sample 0's)
     first_delta: OutputDelta | None = None  # received before answering, relayed first
     prompt_logprobs: Any = None  # from the prefill, when asked for (vLLM's `echo`, `prompt_logprobs`)

@@ -105,6 +105,30 @@ class GenerateCall:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineTimeline:
+    """Where an engine's time to a request's first token went, by vLLM's own request events (seconds
+    from the replica's call; the engine core runs in a child process of the replica, on the same
+    monotonic clock): `queued_s` its scheduler held the request (the call's way through the
+    frontend and into the core); `scheduled_s` its first step began; `first_token_s` the step that
+    made the first token ended. The rest of `engine_first_token_s` is the token's way back."""
+
+    queued_s: float
+    scheduled_s: float
+    first_token_s: float
+
+    @classmethod
+    def of(cls, stats: Any, called_at: float) -> EngineTimeline | None:
+        """From a vLLM `RequestStateStats` (None, or an event not seen yet: None) and the call's
+        `time.monotonic()`."""
+        if stats is None or not (stats.queued_ts and stats.scheduled_ts and stats.first_token_ts):
+            return None
+        return cls(stats.queued_ts - called_at, stats.scheduled_ts - called_at, stats.first_token_ts - called_at)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"queued_s": self.queued_s, "scheduled_s": self.scheduled_s, "first_token_s": self.first_token_s}
+
+
+@dataclass(frozen=True, slots=True)
 class OutputDelta:
     """What one sample produced since its previous delta (the engine batches them per interval):
     vLLM's `CompletionOutput` as is, without the prompt vLLM repeats in every output."""
@@ -116,6 +140,7 @@ class OutputDelta:
     num_cached_tokens: int | None = None  # prompt tokens the engine's prefix cache or the KV pull supplied (first)
     prompt_logprobs: Any = None  # computed here (a local prefill) and asked for (first only)
     held_tokens: int | None = None  # prompt tokens its KV events said the engine held when the call came (first)
+    engine_timeline: EngineTimeline | None = None  # where the engine's time to the first token went (first)
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,7 @@ def request_record(f: Flight, error: str | None, now: float, multi_model: bool, 
         "intake_s": f.intake_s, "ttft_s": f.router_first_s,
         "e2e_s": (now - f.t_arrival) if f.t_arrival else None,
         "prefill_engine_s": f.prefill_engine_s, "decode_engine_first_s": f.decode_engine_first_s,
+        "decode_engine_timeline": f.decode_engine_timeline.as_dict() if f.decode_engine_timeline else None,
         "cached_tokens_predicted": f.cached_predicted, "prefill_cached_tokens": f.prefill_cached_tokens,
         "decode_held_tokens": f.decode_held_tokens,
     }

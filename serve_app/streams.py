@@ -127,6 +127,7 @@ class FlightStreams:
                 f.actual_prefill = target
             f.t_first = time.monotonic()
             f.decode_engine_first_s = f.first_delta.engine_first_token_s
+            f.decode_engine_timeline = f.first_delta.engine_timeline
             f.num_cached_tokens = f.first_delta.num_cached_tokens
             f.decode_held_tokens = f.first_delta.held_tokens
             if f.prompt_logprobs is None:  # computed by a local prefill

@@ -145,4 +145,6 @@ def test_the_request_log_carries_the_choice_and_the_estimated_ttft(client, multi
     assert rec["ttft_limit_s"] == 0.5 and rec["lambda"] == 2.0 and rec["feasible"] is True
     assert rec["choice"]["instance"] == rt["instance"] and len(rec["choice"]["candidates"]) == 2
     assert 0 < rec["estimated_ttft_s"] <= 0.5 and rec["ttft_s"] > 0  # estimate beside the measurement
+    t = rec["decode_engine_timeline"]  # ... and where the engine's time to it went (a colocated engine)
+    assert 0 < t["queued_s"] <= t["scheduled_s"] <= t["first_token_s"] < rec["decode_engine_first_s"], t
     assert rec["utility"] == pytest.approx(rec["accuracy"] - 2.0 * rec["cost"])

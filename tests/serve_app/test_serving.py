@@ -355,6 +355,10 @@ def test_request_log_records_every_decision(client, stack):
     assert rec["decision"]["policy"] == "marginal_cost" and rec["output_tokens"] == 4
     assert rec["decision"]["decode_cost"]["own_work_s"] > 0 and rec["ttft_s"] > 0
     assert rec["prefill"] == route(r)["served_prefill"]
+    # where the decode engine's time to the first token went, by vLLM's request events: in order, and
+    # inside the replica's own measurement of it (the same clock, two processes)
+    t = rec["decode_engine_timeline"]
+    assert 0 < t["queued_s"] <= t["scheduled_s"] <= t["first_token_s"] < rec["decode_engine_first_s"], t
 
 
 def _log_record(stack, rid: str) -> dict:
