@@ -219,14 +219,14 @@ class Dispatcher:
                 c = self.registry.constants(m, inst)
                 snap = instance_snapshot(self._snapshot_facts(inst), c, prefill_only=inst.role is Role.PREFILL)
                 candidates.append((ModelInstance(inst.instance_id, m.name, c, m.prices), snap))
+        now = time.monotonic()
         host = next((m.cost_model.shared_host for m in models if m.cost_model.shared_host is not None), None)
         if host is not None:  # engines on one host: each estimate runs at the stretch the others' load gives
             others = [[(o.constants, s) for j, (o, s) in enumerate(candidates) if j != i]
                       for i in range(len(candidates))]
-            candidates = [(dataclasses.replace(inst, host=peer_share(host, others[i], self.requests)), snap)
+            candidates = [(dataclasses.replace(inst, host=peer_share(host, others[i], self.requests, now)), snap)
                           for i, (inst, snap) in enumerate(candidates)]
         router = self.model_router if lam == self.model_router.lam else self.model_router.with_lambda(lam)
-        now = time.monotonic()
         t0 = time.perf_counter()
         try:
             routed = router.choose(candidates, p, predicted, ttft_limit_s, now)

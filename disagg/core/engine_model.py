@@ -153,6 +153,7 @@ class HostShare:
         self.total = 0.0
         self.requests = requests if requests is not None else RequestRate()
         self.busy_changes = 0  # bumped whenever an engine becomes busy or idle
+        self.releases: list[tuple[float, str]] = []  # (when, engine): known idle from then on (`release_at`)
 
     def arrive(self, now: float) -> None:
         """A request came to the host at `now` (its serving path's per-request work starts)."""
@@ -162,6 +163,12 @@ class HostShare:
         """An engine plans a step of `seconds` (alone) at `now` that streams `tokens`: its stretch."""
         self._busy(instance_id, self.host.serving_cores(tokens, seconds))
         return self.stretch_at(now)
+
+    def release_at(self, instance_id: str, when: float) -> None:
+        """A busy engine that nothing here drives goes idle at `when` (the estimator's peers, whose work
+        is known to drain then): steps planned from then on no longer share the host with it."""
+        self.releases.append((when, instance_id))
+        self.releases.sort()
 
     def spin(self, instance_id: str) -> None:
         """The engine steps with nothing to compute: vLLM's engine loop keeps stepping (schedule, a
@@ -184,7 +191,9 @@ class HostShare:
     def stretch_at(self, now: float) -> float:
         """How many times slower than alone the host runs work at `now`: the stretch of a step planned
         now, which the serving path's own time outside the engines takes too (one model of the host
-        for the engines and the processes beside them)."""
+        for the engines and the processes beside them). Releases due by `now` take effect first."""
+        while self.releases and self.releases[0][0] <= now:
+            self.idle(self.releases.pop(0)[1])
         requests = self.host.request_cores(self.requests.at(now)) if self.host.request_cpu_s else 0.0
         return self.host.stretch(len(self.loads), self.total, requests)
 
@@ -202,6 +211,7 @@ class HostShare:
         other = HostShare(self.host, self.requests.copy())
         other.loads = dict(self.loads)
         other.total = self.total
+        other.releases = list(self.releases)
         return other
 
 

@@ -203,6 +203,7 @@ def _check_transfer(value: float, name: str = "transfer_s") -> None:
 # --- the estimate --------------------------------------------------------------------------------
 
 _PROBE = object()  # the new query's rid: unique, never equal to a snapshot rid
+_ESTIMATED = "ttft-estimate"  # the estimated instance's name on the host it shares (`_build`)
 
 
 def _build(c: EngineConstants, snap: InstanceSnapshot, now: float,
@@ -213,7 +214,7 @@ def _build(c: EngineConstants, snap: InstanceSnapshot, now: float,
     decoding jobs join through the engine's `_join`, so their step bookkeeping is the engine's.
     A job's `payload` is its transfer time (the model never reads payloads).
     """
-    e = EngineModel("ttft-estimate", c, share)
+    e = EngineModel(_ESTIMATED, c, share)
     bs = e.bs
     used = 0
     rid = 0
@@ -306,8 +307,8 @@ def estimate_ttft(
     the one without a horizon.
 
     `host`: the instance shares its host with other engines (`CostModel.shared_host`): what
-    `peer_share` makes of the other instances' snapshots, which are taken to stay as busy as they
-    are now; each of this instance's steps runs at the stretch they and it give. The estimate copies
+    `peer_share` makes of the other instances' snapshots, each busy until its own work drains; each
+    of this instance's steps runs at the stretch they and it give as it is planned. The estimate copies
     it, so one share serves every estimate of a decision.
 
     Raises ValueError for a query this instance can never hold (or a snapshot beyond its KV
@@ -374,17 +375,56 @@ def estimate_ttft(
     )
 
 
+def drain_s(constants: EngineConstants, snapshot: InstanceSnapshot, max_steps: int = DEFAULT_MAX_STEPS) -> float:
+    """Seconds until the instance `snapshot` describes has nothing left to do, run alone by the
+    engine model with nothing new arriving: its queue prefilled, its batch decoded (to the
+    predicted lengths), its KV transfers ended. 0 for an idle instance."""
+    e, events = _build(constants, snapshot, 0.0)
+    seq = len(events)
+    push, pop = heapq.heappush, heapq.heappop
+    t = 0.0
+    for _ in range(max_steps):
+        e.poke(t)
+        for j in e.take_transfers():
+            seq += 1
+            push(events, (t + j.payload, seq, j))
+        if e.busy and (not events or e.step_end <= events[0][0]):
+            t = e.step_end
+            for j in e.end_step(t).prefilled:
+                seq += 1
+                push(events, (t + j.payload, seq, j))
+        elif events:
+            t, _, j = pop(events)
+            if j.state is JobState.TRANSFER_IN:
+                e.kv_arrived(j)
+            else:
+                e.release(j)
+        else:
+            return t
+    raise TtftEstimateError(f"the snapshot of {snapshot.in_flight} requests did not drain within {max_steps} events")
+
+
 def peer_share(host: SharedHost, peers: Iterable[tuple[EngineConstants, InstanceSnapshot]],
-               requests: RequestRate | None = None) -> HostShare:
-    """The share of `host` that the given other instances take, each as busy as its snapshot: an
-    instance with requests in flight is busy, and its decoding batch streams a token per sequence
-    every decode step (what the serving path's CPU follows). `requests`: the rate requests arrive
-    at the host (its serving path's per-request CPU), as the caller has seen it; none if omitted."""
+               requests: RequestRate | None = None, now: float = 0.0) -> HostShare:
+    """The share of `host` that the given other instances take from `now` on: an instance with
+    requests in flight is busy until its snapshot's work drains (`drain_s`, stretched as a step
+    planned beside them all and the estimated instance would be; new arrivals are not foreseen, as
+    for the estimated instance itself), and its decoding batch streams a token per sequence every
+    decode step (what the serving path's CPU follows). `requests`: the rate requests arrive at the
+    host (its serving path's per-request CPU), as the caller has seen it; none if omitted."""
     share = HostShare(host, None if requests is None else requests.copy())
+    drains = []
     for k, (c, snap) in enumerate(peers):
         if snap.in_flight:
             decoding = sum(not r.prefilling for r in snap.running)
-            share.step(f"peer-{k}", decoding, c.decode_token_s(decoding), 0.0)
+            share.step(f"peer-{k}", decoding, c.decode_token_s(decoding), now)
+            drains.append((f"peer-{k}", drain_s(c, snap)))
+    if drains:
+        share.step(_ESTIMATED, 0, 1.0, now)  # the estimated instance is busy beside them
+        stretch = share.stretch_at(now)
+        share.idle(_ESTIMATED)
+        for peer, seconds in drains:
+            share.release_at(peer, now + seconds * stretch)
     return share
 
 

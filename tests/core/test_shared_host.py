@@ -228,6 +228,53 @@ def test_the_estimator_prices_a_query_at_the_stretch_its_busy_peers_give():
     assert estimate_ttft(c, InstanceSnapshot(), 100, host=arriving).ttft_s == pytest.approx(1.5 * alone, rel=0.01)
 
 
+def test_a_peer_shares_the_host_only_until_its_own_work_drains():
+    """The estimator's peers are busy until what their snapshots hold is done (`drain_s`), not for
+    ever: a long prefill beside a peer with one token left to decode runs its first chunk at the
+    stretch of two engines on one core, the rest alone."""
+    from disagg.core.cost_model import attention_pairs
+    from disagg.core.ttft_estimator import InstanceSnapshot, RunningRequest, drain_s, estimate_ttft, peer_share
+
+    c = consts(max_batched_tokens=256, kv_capacity_tokens=4096)
+    last_token = InstanceSnapshot(running=(RunningRequest(prompt_tokens=32, decoded_tokens=9, remaining_tokens=1),))
+    assert drain_s(c, last_token) == pytest.approx(c.decode_token_s(1))
+    share = peer_share(ONE_CORE, [(c, last_token)], now=5.0)
+    assert share.releases == [(pytest.approx(5.0 + 2 * c.decode_token_s(1)), "peer-0")]  # at two engines' stretch
+    alone = estimate_ttft(c, InstanceSnapshot(), 1000, now=5.0).ttft_s
+    first_chunk = c.step_s(256, 0, attention_pairs(256, 0))
+    assert estimate_ttft(c, InstanceSnapshot(), 1000, now=5.0, host=share).ttft_s == pytest.approx(alone + first_chunk)
+    # a peer whose batch outlasts the prefill shares every step of it
+    long_batch = InstanceSnapshot(running=(RunningRequest(prompt_tokens=32, decoded_tokens=9, remaining_tokens=500),))
+    busy = peer_share(ONE_CORE, [(c, long_batch)], now=5.0)
+    assert estimate_ttft(c, InstanceSnapshot(), 1000, now=5.0, host=busy).ttft_s == pytest.approx(2 * alone)
+
+
+def test_an_idle_snapshot_drains_at_once_and_a_busy_one_as_the_engine_model_runs_it():
+    from disagg.core.ttft_estimator import InstanceSnapshot, KvTransfer, QueuedRequest, drain_s
+
+    c = consts(max_batched_tokens=256, kv_capacity_tokens=4096)
+    assert drain_s(c, InstanceSnapshot()) == 0.0
+    # a queued request: its prefill (the first token with it), then 3 decode steps alone
+    queued = InstanceSnapshot(waiting=(QueuedRequest(prompt_tokens=100, output_tokens=4),))
+    assert drain_s(c, queued) == pytest.approx(c.prefill_s(100) + 3 * c.decode_token_s(1))
+    # a finished prefill holding its KV for a pull: busy (spinning) until the transfer ends
+    holding = InstanceSnapshot(transfers=(KvTransfer(prompt_tokens=100, ends_in_s=0.25, outgoing=True),))
+    assert drain_s(c, holding) == pytest.approx(0.25)
+    # KV arriving later, then two tokens decoded
+    incoming = InstanceSnapshot(transfers=(KvTransfer(prompt_tokens=100, ends_in_s=0.1, output_tokens=2),))
+    assert drain_s(c, incoming) == pytest.approx(0.1 + 2 * c.decode_token_s(1))
+
+
+def test_a_release_idles_the_engine_for_steps_planned_from_then_on():
+    share = HostShare(ONE_CORE)
+    share.step("a", 0, 0.01, 0.0)
+    share.release_at("a", 1.0)
+    assert share.step("b", 0, 0.01, 0.5) == 2.0  # "a" still busy
+    copied = share.copy()
+    assert share.step("b", 0, 0.01, 1.0) == 1.0 and share.busy == 1  # "a" idle from 1.0 on
+    assert copied.releases == [(1.0, "a")] and copied.busy == 2  # a copy keeps its own schedule
+
+
 # --- the KV hand-off on a shared host -------------------------------------------------------------
 
 
