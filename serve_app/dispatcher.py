@@ -55,7 +55,7 @@ from disagg.core.policies import Colocated
 from disagg.core.policies.base import cached_prompt_tokens
 from disagg.core.predictor import BucketMeanPredictor
 from disagg.core.prefix_index import PrefixIndex, prompt_block_hashes
-from disagg.core.ttft_estimator import TtftEstimateError, peer_share
+from disagg.core.ttft_estimator import TtftEstimateError, peer_shares
 from disagg.core.types import InstanceView, NoCapacity, RequestFeatures, Role, SloClass
 from disagg.core.utility import AccuracyTable, Choice
 from serve_app.engine_calls import bad_request, decided_on, last_line, refusal
@@ -222,10 +222,9 @@ class Dispatcher:
         now = time.monotonic()
         host = next((m.cost_model.shared_host for m in models if m.cost_model.shared_host is not None), None)
         if host is not None:  # engines on one host: each estimate runs at the stretch the others' load gives
-            others = [[(o.constants, s) for j, (o, s) in enumerate(candidates) if j != i]
-                      for i in range(len(candidates))]
-            candidates = [(dataclasses.replace(inst, host=peer_share(host, others[i], self.requests, now)), snap)
-                          for i, (inst, snap) in enumerate(candidates)]
+            shares = peer_shares(host, [(inst.constants, snap) for inst, snap in candidates], self.requests, now)
+            candidates = [(dataclasses.replace(inst, host=share), snap)
+                          for (inst, snap), share in zip(candidates, shares)]
         router = self.model_router if lam == self.model_router.lam else self.model_router.with_lambda(lam)
         t0 = time.perf_counter()
         try:

@@ -108,9 +108,10 @@ class GenerateCall:
 class EngineTimeline:
     """Where an engine's time to a request's first token went, by vLLM's own request events (seconds
     from the replica's call; the engine core runs in a child process of the replica, on the same
-    monotonic clock): `queued_s` its scheduler held the request (the call's way through the
-    frontend and into the core); `scheduled_s` its first step began; `first_token_s` the step that
-    made the first token ended. The rest of `engine_first_token_s` is the token's way back."""
+    monotonic clock): `queued_s` the core took the request in, which its loop does between steps
+    (so the call's way through the frontend and into the core, and the rest of any step in flight);
+    `scheduled_s` a step first scheduled it; `first_token_s` the step that made the first token
+    ended. The rest of `engine_first_token_s` is the token's way back to the replica."""
 
     queued_s: float
     scheduled_s: float

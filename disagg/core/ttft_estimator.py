@@ -412,18 +412,32 @@ def peer_share(host: SharedHost, peers: Iterable[tuple[EngineConstants, Instance
     for the estimated instance itself), and its decoding batch streams a token per sequence every
     decode step (what the serving path's CPU follows). `requests`: the rate requests arrive at the
     host (its serving path's per-request CPU), as the caller has seen it; none if omitted."""
+    peers = [(c, snap, drain_s(c, snap) if snap.in_flight else 0.0) for c, snap in peers]
+    return _share_of(host, peers, requests, now)
+
+
+def peer_shares(host: SharedHost, instances: list[tuple[EngineConstants, InstanceSnapshot]],
+                requests: RequestRate | None = None, now: float = 0.0) -> list[HostShare]:
+    """For each of `instances` on one host, the `peer_share` of all the others: one decision's
+    shares, each instance's drain run once."""
+    drained = [(c, snap, drain_s(c, snap) if snap.in_flight else 0.0) for c, snap in instances]
+    return [_share_of(host, drained[:i] + drained[i + 1:], requests, now) for i in range(len(drained))]
+
+
+def _share_of(host: SharedHost, peers: list[tuple[EngineConstants, InstanceSnapshot, float]],
+              requests: RequestRate | None, now: float) -> HostShare:
     share = HostShare(host, None if requests is None else requests.copy())
-    drains = []
-    for k, (c, snap) in enumerate(peers):
+    busy = []
+    for k, (c, snap, seconds) in enumerate(peers):
         if snap.in_flight:
             decoding = sum(not r.prefilling for r in snap.running)
             share.step(f"peer-{k}", decoding, c.decode_token_s(decoding), now)
-            drains.append((f"peer-{k}", drain_s(c, snap)))
-    if drains:
+            busy.append((f"peer-{k}", seconds))
+    if busy:
         share.step(_ESTIMATED, 0, 1.0, now)  # the estimated instance is busy beside them
         stretch = share.stretch_at(now)
         share.idle(_ESTIMATED)
-        for peer, seconds in drains:
+        for peer, seconds in busy:
             share.release_at(peer, now + seconds * stretch)
     return share
 

@@ -233,7 +233,9 @@ def test_a_peer_shares_the_host_only_until_its_own_work_drains():
     ever: a long prefill beside a peer with one token left to decode runs its first chunk at the
     stretch of two engines on one core, the rest alone."""
     from disagg.core.cost_model import attention_pairs
-    from disagg.core.ttft_estimator import InstanceSnapshot, RunningRequest, drain_s, estimate_ttft, peer_share
+    from disagg.core.ttft_estimator import (
+        InstanceSnapshot, RunningRequest, drain_s, estimate_ttft, peer_share, peer_shares,
+    )
 
     c = consts(max_batched_tokens=256, kv_capacity_tokens=4096)
     last_token = InstanceSnapshot(running=(RunningRequest(prompt_tokens=32, decoded_tokens=9, remaining_tokens=1),))
@@ -247,6 +249,10 @@ def test_a_peer_shares_the_host_only_until_its_own_work_drains():
     long_batch = InstanceSnapshot(running=(RunningRequest(prompt_tokens=32, decoded_tokens=9, remaining_tokens=500),))
     busy = peer_share(ONE_CORE, [(c, long_batch)], now=5.0)
     assert estimate_ttft(c, InstanceSnapshot(), 1000, now=5.0, host=busy).ttft_s == pytest.approx(2 * alone)
+    # one decision's shares, each instance's drain run once: each is the share of all the others
+    shares = peer_shares(ONE_CORE, [(c, last_token), (c, long_batch), (c, InstanceSnapshot())], now=5.0)
+    assert [s.releases for s in shares] == [busy.releases, share.releases,
+                                            peer_share(ONE_CORE, [(c, last_token), (c, long_batch)], now=5.0).releases]
 
 
 def test_an_idle_snapshot_drains_at_once_and_a_busy_one_as_the_engine_model_runs_it():
