@@ -17,7 +17,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Awaitable, Callable
 
-from disagg.core.cost_model import CostModel
+from disagg.core.cost_model import CostModel, EngineConstants
 
 ROUNDS = 3
 TOLERANCE = 1.5  # held-out error of a live fit is 3–7%; constants of another CPU generation were off 2×+
@@ -70,6 +70,29 @@ def judge(cm: CostModel, measured: dict[tuple[str, str, int], list[float]]) -> V
                    for (i, k, n), xs in sorted(measured.items()))
     kinds = sorted({p.kind for p in points})
     return Verdict(points, {k: statistics.median(p.ratio for p in points if p.kind == k) for k in kinds})
+
+
+def rejudged(cm: CostModel, check: dict) -> Verdict:
+    """A recorded check (`Verdict.as_dict()`, as results.json holds it) judged again against `cm`."""
+    return judge(cm, {(p["instance"], p["kind"], p["size"]): [p["measured_s"]] for p in check["points"]})
+
+
+def at_measured_speed(cm: CostModel, verdict: Verdict) -> CostModel:
+    """`cm` with its engines' step times scaled to the speed `verdict` measured: decode steps (step
+    base, per-sequence cost) by the decode ratio, lone prefills by the prefill ratio (per-token and
+    attention terms by it, the prefill overhead so that a one-chunk prefill, step base included,
+    scales by it too). One factor per kind for the whole host (the median over instances and sizes):
+    a shared host drifts as one, and a single engine's two probe points are noisier than the drift."""
+    pre, dec = verdict.ratios.get("prefill", 1.0), verdict.ratios.get("decode", 1.0)
+
+    def scaled(e: EngineConstants) -> EngineConstants:
+        return e.model_copy(update={
+            "prefill_token_s": e.prefill_token_s * pre, "prefill_attention_s": e.prefill_attention_s * pre,
+            "prefill_overhead_s": max(0.0, pre * (e.prefill_overhead_s + e.step_base_s) - dec * e.step_base_s),
+            "step_base_s": e.step_base_s * dec, "decode_seq_s": e.decode_seq_s * dec})
+
+    return cm.model_copy(update={"engine": scaled(cm.engine),
+                                 "instances": {k: scaled(e) for k, e in cm.instances.items()}})
 
 
 async def check_constants(probe: Callable[[dict], Awaitable[dict]], cm: CostModel, instances: list[str],

@@ -17,6 +17,11 @@ predicted against measured.
 
 `resimulate` runs the simulator alone, with other constants, against the live runs of an earlier
 validate: a calibration or a change of the model judged in seconds, without the app.
+
+`at_measured_speed` (both): the simulator runs every repeat, not once per rate, with the engines'
+step times scaled to what that repeat's constants check measured just before its load. A shared host
+drifts between the fit and a run, and the same requests then take longer. Simulating at the
+fitted speed would count that drift as the model's error.
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from disagg.bench.harness import BenchConfig, BenchError, run_bench
+from disagg.bench.constants_check import at_measured_speed as at_measured_speed_of
+from disagg.bench.constants_check import rejudged
+from disagg.bench.harness import COST_MODEL_FILE, BenchConfig, BenchError, run_bench
 from disagg.bench.records import LIVE, SIM
+from disagg.core.cost_model import CostModel, CostModelError, load_profile
 from disagg.files import json_safe, write_json_atomic, write_text_atomic
 from disagg.stats import percentile
 
@@ -39,6 +47,7 @@ LATENCY = (("ttft_p50_s", "ttft", 50), ("ttft_p90_s", "ttft", 90), ("tpot_p50_s"
 ATTAINMENT_WITHIN = 0.05
 NOISE_FACTOR = 1.5
 RESULTS_JSON, RESULTS_MD, FIGURE = "validate.json", "validate.md", "predicted_vs_measured.png"
+SIM_FOLDER = "sim"  # the simulator's runs at each repeat's measured speed, beside the live ones
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,9 @@ class ValidateConfig:
     within: float = 0.15
     realtime: bool = False
     request_timeout_s: float = 300.0
+    # simulate every repeat at the engine speed its constants check measured just before it (the
+    # host's drift between the fit and the run), not once per rate at the constants as fitted
+    at_measured_speed: bool = False
 
 
 def check(cfg: ValidateConfig) -> None:
@@ -96,6 +108,23 @@ def cells(records_file: Path, system: str) -> dict[tuple[str, str], dict]:
         if r.get("system") == system:
             groups[(r["policy"], r["trace"])].append(r)
     return {key: figures(recs) for key, recs in groups.items()}
+
+
+def _figures_by_cell(folders: dict[tuple[int, float], Path], system: str) -> dict[tuple, list[dict]]:
+    """(policy, trace, rate) → `figures` of `system`'s records in each of those bench folders."""
+    out: dict[tuple, list[dict]] = defaultdict(list)
+    for (_, rate), path in sorted(folders.items()):
+        for (policy, trace), fig in cells(path / "requests.jsonl", system).items():
+            out[(policy, trace, rate)].append(fig)
+    return out
+
+
+def _median_figures(figs: list[dict]) -> dict:
+    out = {}
+    for key in figs[0]:
+        xs = [f[key] for f in figs if f.get(key) is not None]
+        out[key] = statistics.median(xs) if xs else None
+    return out
 
 
 def _spread(xs: list[float], relative: bool) -> float | None:
@@ -165,17 +194,15 @@ def ranking(rows: list[dict]) -> list[dict]:
     return out
 
 
-def summarize(runs: dict[tuple[int, float], Path], within: float, sims: dict[float, Path] | None = None) -> dict:
+def summarize(runs: dict[tuple[int, float], Path], within: float,
+              sims: dict[tuple[int, float], Path] | None = None) -> dict:
     """The report from the finished bench folders (`runs[(repeat, rate)]`); the simulator's records
-    are the first repeat's, or those of `sims[rate]` (`resimulate`)."""
+    are the first repeat's, or those of `sims[(repeat, rate)]` (a rate simulated for several repeats
+    counts the median of each figure)."""
     if sims is None:
-        sims = {rate: path for (repeat, rate), path in runs.items() if repeat == 0}
-    live: dict[tuple, list[dict]] = defaultdict(list)
-    for (_, rate), path in sorted(runs.items()):
-        for (policy, trace), fig in cells(path / "requests.jsonl", LIVE).items():
-            live[(policy, trace, rate)].append(fig)
-    sim = {(policy, trace, rate): fig for rate, path in sims.items()
-           for (policy, trace), fig in cells(path / "requests.jsonl", SIM).items()}
+        sims = {(repeat, rate): path for (repeat, rate), path in runs.items() if repeat == 0}
+    live, simulated = _figures_by_cell(runs, LIVE), _figures_by_cell(sims, SIM)
+    sim = {key: _median_figures(figs) for key, figs in simulated.items()}
     rows = []
     for key in sorted(live, key=lambda k: (k[2], k[1], k[0])):
         policy, trace, rate = key
@@ -274,19 +301,24 @@ def plot(report: dict, path: Path) -> None:
 def run_validate(cfg: ValidateConfig, log: Callable[[str], None], progress=None) -> dict:
     """Every (repeat, rate) bench run (resumed where a folder holds one), then the report files."""
     check(cfg)
-    runs = {}
+    slices = {"url": cfg.url, "traces": list(cfg.traces), "policies": list(cfg.policies), "rates": list(cfg.rates),
+              "repeats": cfg.repeats, "max_requests": cfg.max_requests, "seed": cfg.seed,
+              "cost_model": cfg.cost_model or "app"}
+    runs, sims = {}, {}
     for repeat, rate in run_order(cfg.rates, cfg.repeats):
         out = folder(cfg.out, repeat, rate)
         log(f"repeat {repeat + 1} of {cfg.repeats}, {rate:g} req/s → {out}")
         run_bench(BenchConfig(out=out, traces=cfg.traces, policies=cfg.policies, url=cfg.url, rate=rate,
-                              max_requests=cfg.max_requests, seed=cfg.seed, sim=repeat == 0,
+                              max_requests=cfg.max_requests, seed=cfg.seed,
+                              sim=repeat == 0 and not cfg.at_measured_speed,
                               cost_model=cfg.cost_model, realtime=cfg.realtime,
                               request_timeout_s=cfg.request_timeout_s), progress=progress, log=log)
         runs[(repeat, rate)] = out
-    report = summarize(runs, cfg.within)
-    report["settings"] = {"url": cfg.url, "traces": list(cfg.traces), "policies": list(cfg.policies),
-                          "rates": list(cfg.rates), "repeats": cfg.repeats, "max_requests": cfg.max_requests,
-                          "seed": cfg.seed, "cost_model": cfg.cost_model or "app"}
+        if cfg.at_measured_speed:  # the constants this run judged with, at the speed its check measured
+            sims[(repeat, rate)] = simulate_live_run(out, slices, load_profile(out / COST_MODEL_FILE),
+                                                     folder(cfg.out / SIM_FOLDER, repeat, rate), True, log)
+    report = summarize(runs, cfg.within, sims or None)
+    report["settings"] = {**slices, "at_measured_speed": cfg.at_measured_speed}
     return _write(report, cfg.out)
 
 
@@ -298,13 +330,49 @@ def _write(report: dict, out: Path) -> dict:
     return report
 
 
-def resimulate(measured: Path, cost_model: str, out: Path, log: Callable[[str], None]) -> dict:
+def simulate_live_run(live: Path, slices: dict, cm: CostModel, out: Path, at_measured_speed: bool,
+                      log: Callable[[str], None]) -> Path:
+    """The simulator alone on a finished live bench run of a validate (`slices`: its settings, the
+    traces, policies, request count and seed), at the run's rate, topology and router replicas, with
+    `cm`'s constants judged against the run's SLO targets (so attainment compares like with like).
+    `at_measured_speed`: with the engines' step times scaled to what the run's constants check
+    measured just before its load (`constants_check.at_measured_speed`). Returns `out`."""
+    results = live / "results.json"
+    try:
+        run = json.loads(results.read_text())
+        slo, resolved, rate = run["cost_model"]["slo"], run["resolved"], run["settings"]["rate"]
+        topology, context = resolved["topology"], resolved["max_model_len"]
+        check_record = run["cost_model"].get("constants_check")
+    except (OSError, ValueError, KeyError) as e:
+        raise BenchError(f"{results} is not a finished live bench run ({e})") from None
+    try:
+        judged = CostModel.from_dict({**cm.to_dict(), "slo": slo})
+    except CostModelError as e:
+        raise BenchError(f"{results}: the run's SLO targets: {e}") from None
+    speed = ""
+    if at_measured_speed:
+        if not check_record:
+            raise BenchError(f"{results}: the run has no constants check to take the engines' speed from")
+        verdict = rejudged(judged, check_record)
+        judged = at_measured_speed_of(judged, verdict)
+        speed = " at " + ", ".join(f"{k} {r:.2f}×" for k, r in verdict.ratios.items())
+    out.mkdir(parents=True, exist_ok=True)
+    constants = out / COST_MODEL_FILE
+    judged.save(constants)
+    log(f"{rate:g} req/s: the simulator with {cm.name}{speed} on {topology} → {out}")
+    run_bench(BenchConfig(out=out, traces=tuple(slices["traces"]), policies=tuple(slices["policies"]),
+                          rate=rate, max_requests=slices["max_requests"], seed=slices["seed"], sim=True, cost_model=str(constants), topology=topology, routers=resolved.get("routers"),
+                          max_model_len=context), log=log)
+    return out
+
+
+def resimulate(measured: Path, cost_model: str, out: Path, log: Callable[[str], None],
+               at_measured_speed: bool = False) -> dict:
     """The simulator alone, with other constants, against the live runs of an earlier `disagg
     validate` in `measured`: the same slices at the same rates and topology, judged against the
-    SLO targets the live runs were judged with (so attainment compares like with like; the file's
-    own targets are replaced). Compares calibrations, or a changed model, in seconds without the app."""
-    from disagg.core.cost_model import CostModel, load_profile
-
+    SLO targets the live runs were judged with. Compares calibrations, or a changed model, in
+    seconds without the app. Once per rate (its first repeat's run), or, `at_measured_speed`, once
+    per repeat at the speed its constants check measured."""
     try:
         earlier = json.loads((measured / RESULTS_JSON).read_text())
         settings, within = earlier["settings"], earlier["within"]
@@ -313,26 +381,9 @@ def resimulate(measured: Path, cost_model: str, out: Path, log: Callable[[str], 
     cm = load_profile(cost_model)  # CostModelError names the file and field
     runs = {(repeat, rate): folder(measured, repeat, rate)
             for repeat in range(settings["repeats"]) for rate in settings["rates"]}
-    sims = {}
-    for rate in settings["rates"]:
-        results = folder(measured, 0, rate) / "results.json"
-        try:
-            live = json.loads(results.read_text())
-            slo, resolved = live["cost_model"]["slo"], live["resolved"]
-            topology, context = resolved["topology"], resolved["max_model_len"]
-        except (OSError, ValueError, KeyError) as e:
-            raise BenchError(f"--resimulate: {results} is not a finished live bench run ({e})") from None
-        judged = CostModel.from_dict({**cm.to_dict(), "slo": slo})
-        path = out / f"rate-{rate:g}"
-        path.mkdir(parents=True, exist_ok=True)
-        constants = path / "cost_model.yaml"
-        judged.save(constants)
-        log(f"{rate:g} req/s: the simulator with {cost_model} on {topology} → {path}")
-        run_bench(BenchConfig(out=path, traces=tuple(settings["traces"]), policies=tuple(settings["policies"]),
-                              rate=rate, max_requests=settings["max_requests"], seed=settings["seed"], sim=True,
-                              cost_model=str(constants), topology=topology, routers=resolved.get("routers"),
-                              max_model_len=context), log=log)
-        sims[rate] = path
+    sims = {(repeat, rate): simulate_live_run(path, settings, cm, folder(out, repeat, rate), at_measured_speed, log)
+            for (repeat, rate), path in runs.items() if at_measured_speed or repeat == 0}
     report = summarize(runs, within, sims)
-    report["settings"] = {**settings, "cost_model": cost_model, "measured": str(measured)}
+    report["settings"] = {**settings, "cost_model": cost_model, "measured": str(measured),
+                          "at_measured_speed": at_measured_speed}
     return _write(report, out)

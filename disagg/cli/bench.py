@@ -142,6 +142,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     val.add_argument("--within", type=float, default=0.15, help="relative error a latency cell may have")
     val.add_argument("--seed", type=int, default=0)
     val.add_argument("--realtime", action="store_true", help="the load generator under SCHED_FIFO (see bench)")
+    val.add_argument("--at-measured-speed", action="store_true",
+                     help="simulate every repeat with the engines' step times scaled to what its constants check "
+                          "measured just before it (the host's drift since the fit), not once per rate as fitted")
     val.add_argument("--out", required=True, help="output folder; one resumable bench folder per repeat and rate")
     val.set_defaults(func=cmd_validate)
 
@@ -161,7 +164,8 @@ def cmd_validate(args) -> int:
             raise UsageError("--resimulate needs --cost-model: the constants to simulate with")
         try:
             report = resimulate(Path(args.resimulate), args.cost_model, Path(args.out),
-                                log=lambda m: print(m, file=sys.stderr, flush=True))
+                                log=lambda m: print(m, file=sys.stderr, flush=True),
+                                at_measured_speed=args.at_measured_speed)
         except BenchError as e:
             raise UsageError(str(e)) from None
         print(markdown(report), end="")
@@ -177,7 +181,7 @@ def cmd_validate(args) -> int:
     cfg = ValidateConfig(url=args.url.rstrip("/"), out=Path(args.out), traces=tuple(traces),
                          policies=tuple(parse_policies(args.policies)), rates=rates, repeats=args.repeats,
                          max_requests=args.max_requests or None, cost_model=args.cost_model, seed=args.seed,
-                         within=args.within, realtime=args.realtime)
+                         within=args.within, realtime=args.realtime, at_measured_speed=args.at_measured_speed)
     try:
         report = run_validate(cfg, log=lambda m: print(m, file=sys.stderr, flush=True),
                               progress=lambda total, label: Progress(total, label))

@@ -93,3 +93,35 @@ def test_judge_takes_the_median_of_rounds():
     measured = {("p0", "prefill", 128): [1.0, 100.0, 1.1]}
     v = judge(CM, measured)
     assert v.points[0].measured_s == 1.1
+
+
+def test_at_the_measured_speed_the_constants_predict_what_the_check_measured():
+    """A host 1.1× slower on decode steps and 1.2× on prefills since the fit: the rescaled constants
+    predict what the check measured, decode steps and lone prefills alike."""
+    from disagg.bench.constants_check import at_measured_speed, rejudged
+
+    drifted = run(hardware({"prefill": 1.2, "decode": 1.1}))
+    assert drifted.ratios == {"prefill": pytest.approx(1.2), "decode": pytest.approx(1.1)}
+    at_speed = at_measured_speed(CM, drifted)
+    again = rejudged(at_speed, drifted.as_dict())  # the recorded check, judged against the rescaled constants
+    assert again.ratios["decode"] == pytest.approx(1.0)
+    assert again.ratios["prefill"] == pytest.approx(1.0)
+    assert all(p.ratio == pytest.approx(1.0) for p in again.points)
+    e, d = CM.engine, at_speed.engine
+    assert d.prefill_token_s == pytest.approx(1.2 * e.prefill_token_s)
+    assert d.prefill_attention_s == pytest.approx(1.2 * e.prefill_attention_s)
+    assert d.decode_seq_s == pytest.approx(1.1 * e.decode_seq_s) and d.step_base_s == pytest.approx(1.1 * e.step_base_s)
+    assert at_speed.slo == CM.slo and at_speed.shared_host == CM.shared_host  # targets and host terms untouched
+    # prefills faster where decode steps are slower: the overhead cannot go below zero
+    apart = at_measured_speed(CM, run(hardware({"prefill": 0.8, "decode": 1.3})))
+    assert apart.engine.prefill_overhead_s >= 0.0
+
+
+def test_every_instance_moves_at_the_hosts_speed():
+    from disagg.bench.constants_check import at_measured_speed
+
+    fast = CM.engine.model_copy(update={"step_base_s": CM.engine.step_base_s / 4})
+    with_instance = CM.model_copy(update={"instances": {"d1": fast}})
+    slower = at_measured_speed(with_instance, run(hardware(1.2), cm=with_instance))
+    assert slower.instances["d1"].step_base_s == pytest.approx(1.2 * fast.step_base_s)
+    assert slower.engine.step_base_s == pytest.approx(1.2 * CM.engine.step_base_s)

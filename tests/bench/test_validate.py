@@ -118,7 +118,8 @@ def test_resimulate_judges_other_constants_against_the_same_live_runs_and_target
         for rate in (1.0, 2.0):
             path = write_folder(folder(measured, rep, rate), live, None)
             (path / "results.json").write_text(json.dumps(
-                {"resolved": {"topology": "1P2D", "max_model_len": 2048}, "cost_model": {"slo": slo}}))
+                {"resolved": {"topology": "1P2D", "max_model_len": 2048}, "settings": {"rate": rate},
+                 "cost_model": {"slo": slo}}))
     (measured / RESULTS_JSON).write_text(json.dumps(
         {"within": 0.15, "settings": {"traces": [str(trace)], "policies": ["round_robin"], "rates": [1.0, 2.0],
                                       "repeats": 2, "max_requests": 12, "seed": 0}}))
@@ -132,9 +133,63 @@ def test_resimulate_judges_other_constants_against_the_same_live_runs_and_target
     for name, report in reports.items():
         assert [(r["rate"], r["repeats"]) for r in report["rows"]] == [(1.0, 2), (2.0, 2)]
         assert all(r["live"]["ttft_p50_s"] == pytest.approx(0.05) for r in report["rows"])
-        used = yaml.safe_load((tmp_path / name / "rate-1" / "cost_model.yaml").read_text())
+        used = yaml.safe_load((tmp_path / name / "rate-1" / "repeat-1" / "cost_model.yaml").read_text())
         assert used["slo"] == slo  # judged as the live runs were, whatever the file's own targets
     assert all(s["sim"]["tpot_p50_s"] > 5 * f["sim"]["tpot_p50_s"]
                for f, s in zip(reports["fast"]["rows"], reports["slow"]["rows"]))
     with pytest.raises(BenchError, match="not the folder of a finished"):
         resimulate(tmp_path / "chat.csv", "cpu-tiny", tmp_path / "x", log=lambda m: None)
+
+
+def test_at_the_measured_speed_each_repeat_is_simulated_at_the_speed_its_check_found(tmp_path):
+    """`--at-measured-speed`: the simulator runs every repeat, its engines scaled to what that repeat's
+    constants check measured; a repeat whose host ran decode steps 2× slower predicts slower tokens,
+    and the cell counts the median of the repeats' predictions."""
+    from disagg.bench.constants_check import ProbePoint, Verdict
+    from disagg.bench.validate import resimulate
+    from disagg.core.cost_model import load_profile
+
+    cm = load_profile("cpu-tiny")
+    trace = tmp_path / "chat.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n" +
+                     "".join(f"{i * 0.5},{200 + 30 * i},{20 + i}\n" for i in range(12)))
+    measured = tmp_path / "measured"
+    live = {("round_robin", "chat"): [(0.05, 0.004, True)] * 12}
+
+    def check(decode: float) -> dict:
+        e = cm.engine
+        points = (ProbePoint("d0", "prefill", 128, e.prefill_s(128), 1.0),
+                  ProbePoint("d0", "decode", 1, decode * e.decode_token_s(1), 1.0))
+        return Verdict(points, {}).as_dict()
+
+    for rep, decode in enumerate((1.0, 2.0)):
+        path = write_folder(folder(measured, rep, 1.0), live, None)
+        (path / "results.json").write_text(json.dumps(
+            {"resolved": {"topology": "1P2D", "max_model_len": 2048}, "settings": {"rate": 1.0},
+             "cost_model": {"slo": {k.value: v.model_dump() for k, v in cm.slo.items()},
+                            "constants_check": check(decode)}}))
+    (measured / "validate.json").write_text(json.dumps(
+        {"within": 0.15, "settings": {"traces": [str(trace)], "policies": ["round_robin"], "rates": [1.0],
+                                      "repeats": 2, "max_requests": 12, "seed": 0}}))
+
+    fitted = resimulate(measured, "cpu-tiny", tmp_path / "fitted", log=lambda m: None)
+    at_speed = resimulate(measured, "cpu-tiny", tmp_path / "at-speed", log=lambda m: None, at_measured_speed=True)
+    assert not (tmp_path / "fitted" / "rate-1" / "repeat-2").exists()  # once per rate, as fitted
+    per_repeat = [summarize({(0, 1.0): folder(measured, k, 1.0)}, 0.15,
+                            {(0, 1.0): folder(tmp_path / "at-speed", k, 1.0)})["rows"][0]["sim"]["tpot_p50_s"]
+                  for k in range(2)]
+    first = fitted["rows"][0]["sim"]["tpot_p50_s"]
+    assert per_repeat[0] == pytest.approx(first)  # the first repeat ran at the fitted speed
+    assert per_repeat[1] > 1.5 * first  # the second at twice its decode step
+    assert at_speed["rows"][0]["sim"]["tpot_p50_s"] == pytest.approx((per_repeat[0] + per_repeat[1]) / 2)
+    assert at_speed["settings"]["at_measured_speed"] is True
+    unchecked = folder(measured, 1, 1.0) / "results.json"
+    record = json.loads(unchecked.read_text())
+    del record["cost_model"]["constants_check"]
+    unchecked.write_text(json.dumps(record))
+    with pytest.raises(BenchError, match="no constants check"):
+        resimulate(measured, "cpu-tiny", tmp_path / "x", log=lambda m: None, at_measured_speed=True)
+    record["cost_model"]["slo"] = {}
+    unchecked.write_text(json.dumps(record))
+    with pytest.raises(BenchError, match=f"{unchecked}.*slo"):  # the file named, and the field
+        resimulate(measured, "cpu-tiny", tmp_path / "x", log=lambda m: None, at_measured_speed=True)
