@@ -289,11 +289,13 @@ def _record(f: _Flight, inst: ModelInstance, t_first: float) -> QueryRecord:
 
 
 def scaled_constants(c: EngineConstants, factor: float) -> EngineConstants:
-    """The same engine with every step-time term (base, τ_pre, per-sequence decode, prefill overhead)
-    scaled by `factor`: a model `factor`× the size on the same hardware, same scheduler limits."""
+    """The same engine with every step-time term (base, τ_pre, attention, per-sequence decode,
+    prefill overhead) scaled by `factor`: a model `factor`× the size on the same hardware, same
+    scheduler limits."""
     return c.model_copy(update={
         "step_base_s": c.step_base_s * factor,
         "prefill_token_s": c.prefill_token_s * factor,
+        "prefill_attention_s": c.prefill_attention_s * factor,
         "decode_seq_s": c.decode_seq_s * factor,
         "prefill_overhead_s": c.prefill_overhead_s * factor,
     })
