@@ -20,8 +20,9 @@ validate: a calibration or a change of the model judged in seconds, without the 
 
 `at_measured_speed` (both): the simulator runs every repeat, not once per rate, with the engines'
 step times scaled to what that repeat's constants check measured just before its load. A shared host
-drifts between the fit and a run, and the same requests then take longer. Simulating at the
-fitted speed would count that drift as the model's error.
+drifts between the fit and a run, and simulating at the fitted speed counts that drift as the
+model's error. It is a study option: the check's lone probes on an idle fleet swing more than the
+drift they would correct (docs/results.md), so the figures of record are at the fitted constants.
 """
 
 from __future__ import annotations
@@ -361,7 +362,8 @@ def simulate_live_run(live: Path, slices: dict, cm: CostModel, out: Path, at_mea
     judged.save(constants)
     log(f"{rate:g} req/s: the simulator with {cm.name}{speed} on {topology} → {out}")
     run_bench(BenchConfig(out=out, traces=tuple(slices["traces"]), policies=tuple(slices["policies"]),
-                          rate=rate, max_requests=slices["max_requests"], seed=slices["seed"], sim=True, cost_model=str(constants), topology=topology, routers=resolved.get("routers"),
+                          rate=rate, max_requests=slices["max_requests"], seed=slices["seed"], sim=True,
+                          cost_model=str(constants), topology=topology, routers=resolved.get("routers"),
                           max_model_len=context), log=log)
     return out
 
