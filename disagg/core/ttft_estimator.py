@@ -379,6 +379,8 @@ def drain_s(constants: EngineConstants, snapshot: InstanceSnapshot, max_steps: i
     """Seconds until the instance `snapshot` describes has nothing left to do, run alone by the
     engine model with nothing new arriving: its queue prefilled, its batch decoded (to the
     predicted lengths), its KV transfers ended. 0 for an idle instance."""
+    if not snapshot.in_flight:
+        return 0.0
     e, events = _build(constants, snapshot, 0.0)
     seq = len(events)
     push, pop = heapq.heappush, heapq.heappop
@@ -412,15 +414,14 @@ def peer_share(host: SharedHost, peers: Iterable[tuple[EngineConstants, Instance
     for the estimated instance itself), and its decoding batch streams a token per sequence every
     decode step (what the serving path's CPU follows). `requests`: the rate requests arrive at the
     host (its serving path's per-request CPU), as the caller has seen it; none if omitted."""
-    peers = [(c, snap, drain_s(c, snap) if snap.in_flight else 0.0) for c, snap in peers]
-    return _share_of(host, peers, requests, now)
+    return _share_of(host, [(c, snap, drain_s(c, snap)) for c, snap in peers], requests, now)
 
 
 def peer_shares(host: SharedHost, instances: list[tuple[EngineConstants, InstanceSnapshot]],
                 requests: RequestRate | None = None, now: float = 0.0) -> list[HostShare]:
     """For each of `instances` on one host, the `peer_share` of all the others: one decision's
     shares, each instance's drain run once."""
-    drained = [(c, snap, drain_s(c, snap) if snap.in_flight else 0.0) for c, snap in instances]
+    drained = [(c, snap, drain_s(c, snap)) for c, snap in instances]
     return [_share_of(host, drained[:i] + drained[i + 1:], requests, now) for i in range(len(drained))]
 
 
