@@ -31,7 +31,14 @@ def cmd_calibrate_live(args) -> int:
     import statistics
     from datetime import datetime, timezone
 
-    from calibration.fit import CalibrationError, fit_fleet, handoff_overhead, live_transfer, serving_overhead
+    from calibration.fit import (
+        CalibrationError,
+        fit_fleet,
+        handoff_overhead,
+        held_out_of_fleet,
+        live_transfer,
+        serving_overhead,
+    )
     from calibration.live import LiveCalibrationError, calibrate_fleet
     from calibration.measure import SERVING_PROBE_TOKENS, TRANSFER_PROBE_TOKENS, serving_path_gaps
 
@@ -98,13 +105,15 @@ def cmd_calibrate_live(args) -> int:
     cm.save(out)
     rows = [{"instance": iid, "role": fleet.instances[iid], "tau_pre": f.engine.prefill_token_s * 1e6,
              "attention": f.engine.prefill_attention_s * 1e9, "base": f.engine.step_base_s * 1e3,
-             "seq": f.engine.decode_seq_s * 1e6, "r2": f.prefill.r2, "held": f.held_out["median_rel_error"],
+             "seq": f.engine.decode_seq_s * 1e6, "r2": f.prefill.r2, "speed": f.speed,
+             "priced": "shared fit" if f.shared else "own fit", "held": f.held_out["median_rel_error"],
              "held90": f.held_out["p90_rel_error"]} for iid, f in fits.items()]
     print(fmt_table(rows, [("instance", "instance", "s"), ("role", "role", "s"), ("tau_pre", "τ_pre µs/tok", ".2f"),
                            ("attention", "attn ns/pair", ".3g"), ("base", "step base ms", ".3f"),
-                           ("seq", "τ_seq µs", ".1f"), ("r2", "prefill R²", ".4f"),
-                           ("held", "held-out p50", ".1%"), ("held90", "held-out p90", ".1%")]))
-    held = statistics.median(f.held_out["median_rel_error"] for f in fits.values())
+                           ("seq", "τ_seq µs", ".1f"), ("r2", "own prefill R²", ".4f"), ("speed", "speed", ".2f"),
+                           ("priced", "priced by", "s"), ("held", "held-out p50", ".1%"),
+                           ("held90", "held-out p90", ".1%")]))
+    held, held90 = held_out_of_fleet(fits)
     t, l = cm.slo[SloClass.TIGHT], cm.slo[SloClass.LOOSE]
     print(f"\nserving path: {overhead * 1e3:.1f} ms outside the engines (median of {len(alone)} lone "
           f"{SERVING_PROBE_TOKENS}-token requests on one engine)"
@@ -124,7 +133,8 @@ def cmd_calibrate_live(args) -> int:
                f"{' and '.join(map(str, lengths))} tokens)" if transfer[1]
                else f"bandwidth {kept} ({xfer.tokens_per_s:,.0f} tokens/s: not measurable through the noise)")
         print(f"KV transfer: {xfer.latency_s * 1e3:.1f} ms fixed cost, {how}")
-    print(f"held-out median relative error, median over {len(fits)} instances: {held:.1%}")
+    points = sum(f.held_out["n"] for f in fits.values())
+    print(f"held-out relative error over {points} points of {len(fits)} instances: median {held:.1%}, p90 {held90:.1%}")
     if cm.shared_host is not None:
         h = cm.shared_host
         print(f"shared host: {h.cores:g} cores, engines on {h.engine_cores:g}; serving path "
@@ -133,7 +143,7 @@ def cmd_calibrate_live(args) -> int:
     print(f"wrote {out} ({len(fits)} instances of {fleet.model}, measured {measured_at}) in {seconds:.0f} s of probes")
     if args.report:
         write_json_atomic(Path(args.report), {"instances": {iid: f.as_dict() for iid, f in fits.items()},
-                                              "held_out_median": held, "seconds": seconds,
+                                              "held_out_median": held, "held_out_p90": held90, "seconds": seconds,
                                               "serving_overhead_s": overhead, "shared_host": host_report,
                                               "cost_model": cm.to_dict()})
     if args.apply:

@@ -35,6 +35,7 @@ SLO rule (documented, derived from the same measurements):
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -47,6 +48,10 @@ REFERENCE_PROMPT = 1024
 ATTENTION_MATERIAL = 0.02  # the attention term's least share of the longest prefill, to be kept
 SLO_HEADROOM = 2.0
 LOOSE_FACTOR = 3.0
+# An instance this far from the median instance's speed is priced by its own fit (`fit_fleet`).
+# Identical engines of one host measured one after the other came out 0.92–1.08× of their shared
+# fit in three live calibrations (the host's slow spells, not their hardware).
+SPEED_MATERIAL = 0.15
 
 
 class CalibrationError(ValueError):
@@ -283,37 +288,71 @@ class InstanceSamples:
 
 @dataclass(frozen=True, slots=True)
 class InstanceFit:
-    engine: EngineConstants
-    prefill: PrefillFit
+    engine: EngineConstants  # what the instance is priced with: the shared fit, or its own
+    prefill: PrefillFit  # the instance's own fit, whichever it is priced with
     decode: LinearFit
-    held_out: dict
+    held_out: dict  # of `engine`
+    speed: float  # its samples' time over the shared fit's prediction (1: as fast as the typical instance)
+    shared: bool  # priced by the fit shared by the instances of typical speed
 
     def as_dict(self) -> dict:
-        return {"prefill": self.prefill.as_dict(), "decode": self.decode.as_dict(), "held_out": self.held_out}
+        return {"prefill": self.prefill.as_dict(), "decode": self.decode.as_dict(), "held_out": self.held_out,
+                "speed": self.speed, "shared": self.shared}
+
+
+def speed_of(engine: EngineConstants, prefill: list[Sample], decode: list[Sample]) -> float:
+    """The factor s by which `engine` scaled best predicts these samples, in relative error (least
+    squares of s·predicted/measured − 1): above 1, they ran slower than `engine` says."""
+    r = np.array([engine.prefill_s(int(x.x)) / x.seconds for x in prefill]
+                 + [engine.decode_token_s(int(x.x)) / x.seconds for x in decode])
+    return float(r.sum() / (r * r).sum())
 
 
 def fit_fleet(samples: dict[str, InstanceSamples], base: CostModel, name: str, model: str,
               serving_overhead_s: float, measured_at: str,
               handoff_overhead_s: float | None = None) -> tuple[CostModel, dict[str, InstanceFit]]:
-    """The live fleet's cost model: each instance's own constants (`instances`), the pool-wide
-    default fitted over every instance's samples (an instance started later is priced by it), KV
-    transfer and per-pair constants kept from `base` (probes move no KV), the hand-off's serving
-    path too unless measured (`handoff_overhead_s`), SLO targets by the documented rule from the
-    pool-wide fit. Any instance whose fit is refused refuses the whole."""
+    """The live fleet's cost model. Instances of one model that run at the same speed share one
+    fit over all their samples: a few probes per instance leave the fit's terms trading off
+    (τ_pre against attention, the step base against the prefill overhead), so each identical
+    engine's own fit differs from the next by more than the hardware does. An instance whose speed
+    against the median instance's is off by more than `SPEED_MATERIAL` (other hardware, a sick
+    device) is priced by its own fit. Each instance keeps its own KV capacity and `instances`
+    lists them all. The pool-wide default (for an instance started later) is the shared fit.
+    KV transfer and per-pair constants are kept from `base` (probes move no KV), the hand-off's
+    serving path too unless measured (`handoff_overhead_s`), SLO targets by the documented rule
+    from the shared fit. Any instance whose own fit is refused refuses the whole."""
     if not samples:
         raise CalibrationError("no instance was measured")
     e = base.engine
     limits = (e.block_size, e.max_num_seqs, e.max_batched_tokens)
-    fits: dict[str, InstanceFit] = {}
+    own: dict[str, tuple[EngineConstants, PrefillFit, LinearFit]] = {}
     for iid, s in samples.items():
         try:
-            engine, prefill, decode = fit_engine(s.prefill, s.decode, s.kv_capacity_tokens, *limits, measured_at)
+            own[iid] = fit_engine(s.prefill, s.decode, s.kv_capacity_tokens, *limits, measured_at)
         except CalibrationError as err:
             raise CalibrationError(f"instance {iid}: {err}") from None
-        fits[iid] = InstanceFit(engine, prefill, decode, held_out_error(engine, s.held_out_prefill, s.held_out_decode))
+
+    def shared_fit(ids: list[str]) -> EngineConstants:
+        group = [samples[i] for i in ids]
+        return fit_engine([x for s in group for x in s.prefill], [x for s in group for x in s.decode],
+                          min(s.kv_capacity_tokens for s in group), *limits, measured_at)[0]
+
+    pool = shared_fit(list(samples))
+    speed = {iid: speed_of(pool, s.prefill, s.decode) for iid, s in samples.items()}
+    typical = statistics.median(speed.values())
+    alike = [iid for iid in samples if abs(speed[iid] / typical - 1.0) <= SPEED_MATERIAL]
+    if alike and len(alike) < len(samples):  # the shared fit over the alike ones only: an odd one would bend it
+        pool = shared_fit(alike)
+        speed = {iid: speed_of(pool, s.prefill, s.decode) for iid, s in samples.items()}
+    fits: dict[str, InstanceFit] = {}
+    for iid, s in samples.items():
+        engine, prefill, decode = own[iid]
+        shared = iid in alike
+        if shared:
+            engine = pool.model_copy(update={"kv_capacity_tokens": s.kv_capacity_tokens})
+        fits[iid] = InstanceFit(engine, prefill, decode, held_out_error(engine, s.held_out_prefill, s.held_out_decode),
+                                speed[iid], shared)
     every = list(samples.values())
-    pool, _, _ = fit_engine([x for s in every for x in s.prefill], [x for s in every for x in s.decode],
-                            min(s.kv_capacity_tokens for s in every), *limits, measured_at)
     biggest = int(max(x.x for s in every for x in s.decode))
     handoff = base.handoff_overhead_s if handoff_overhead_s is None else handoff_overhead_s
     cm = base.model_copy(update={
@@ -321,6 +360,13 @@ def fit_fleet(samples: dict[str, InstanceSamples], base: CostModel, name: str, m
         "slo": slo_targets(pool, base.transfer, biggest, serving_overhead_s + handoff),
         "serving_overhead_s": serving_overhead_s, "handoff_overhead_s": handoff, "calibrated": True})
     return CostModel.model_validate(cm.model_dump()), fits
+
+
+def held_out_of_fleet(fits: dict[str, InstanceFit]) -> tuple[float, float]:
+    """(median, p90) relative error over every held-out point of every instance, each predicted by
+    the constants its instance is priced with."""
+    rel = [r for f in fits.values() for r in f.held_out["rel_errors"]]
+    return float(np.median(rel)), percentile(rel, 90)
 
 
 def serving_overhead(outside_engines_s: list[float]) -> float:
@@ -372,4 +418,5 @@ def held_out_error(engine: EngineConstants, prefill: list[Sample], decode: list[
     rel += [abs(engine.decode_token_s(int(s.x)) - s.seconds) / s.seconds for s in decode]
     if not rel:
         raise CalibrationError("no held-out samples")
-    return {"n": len(rel), "median_rel_error": float(np.median(rel)), "p90_rel_error": percentile(rel, 90)}
+    return {"n": len(rel), "median_rel_error": float(np.median(rel)), "p90_rel_error": percentile(rel, 90),
+            "rel_errors": rel}

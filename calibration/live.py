@@ -72,14 +72,17 @@ class LivePlan:
     rotated order each round, so that a slow spell of a shared machine lands on different points
     rather than bending one curve; a prefill sample is the median of `prefill_repeats` lone
     prefills run back to back in the engine replica (they take milliseconds each, and the machine's
-    noise is of their size). A held-out point's measured time is the median of its rounds: the
-    held-out error judges the constants against the point's typical time, not against one draw."""
+    noise is of their size). A held-out point's measured time is the median of its
+    `held_out_rounds`, more than the fitted points get: one round of a lone probe on a shared
+    host strays 4–10% from its typical time, so a median of two would judge the constants mostly
+    by that noise. They are few points, so the extra rounds cost seconds."""
 
     prefill_lengths: tuple[int, ...]
     held_out_lengths: tuple[int, ...]
     concurrencies: tuple[int, ...]
     held_out_concurrencies: tuple[int, ...]
     rounds: int
+    held_out_rounds: int
     prefill_repeats: int
     decode_tokens: int
 
@@ -89,12 +92,12 @@ class LivePlan:
         conc = tuple(c for c in ((1, 4, 16) if quick else (1, 4, 16, 32)) if c <= max_num_seqs)
         held_c = tuple(c for c in ((3,) if quick else (3, 12)) if c <= max_num_seqs)
         held = p.held_out_lengths if quick else Plan.for_context(max_model_len, max_num_seqs, False).held_out_lengths
-        return cls(p.prefill_lengths, held, conc, held_c, rounds=2 if quick else 3, prefill_repeats=3,
-                   decode_tokens=16)
+        return cls(p.prefill_lengths, held, conc, held_c, rounds=2 if quick else 3, held_out_rounds=6,
+                   prefill_repeats=3, decode_tokens=16)
 
     def steps(self) -> int:
-        return self.rounds * (len(self.prefill_lengths) + len(self.held_out_lengths) + len(self.concurrencies)
-                              + len(self.held_out_concurrencies))
+        return (self.rounds * (len(self.prefill_lengths) + len(self.concurrencies))
+                + self.held_out_rounds * (len(self.held_out_lengths) + len(self.held_out_concurrencies)))
 
 
 def rotated(items: tuple, k: int) -> list:
@@ -132,8 +135,10 @@ class LiveCalibrator:
         points = [("prefill", n, False) for n in p.prefill_lengths] + [("prefill", n, True) for n in p.held_out_lengths]
         points += [("decode", b, False) for b in p.concurrencies] + [("decode", b, True) for b in p.held_out_concurrencies]
         seen: dict[tuple, list[float]] = {pt: [] for pt in points}
-        for r in range(p.rounds):
-            for pt in rotated(tuple(points), r * max(1, len(points) // p.rounds)):
+        every = max(p.rounds, p.held_out_rounds)
+        for r in range(every):
+            due = tuple(pt for pt in points if r < (p.held_out_rounds if pt[2] else p.rounds))
+            for pt in rotated(due, r * max(1, len(due) // every)):
                 seen[pt].append(await self._probe(instance, pt[0], pt[1]))
                 progress(1)
 

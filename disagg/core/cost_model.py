@@ -111,6 +111,14 @@ class EngineConstants(_Strict):
         """τ_dec at a given number of co-running sequences (≥ 1)."""
         return self.step_base_s + self.decode_seq_s * max(1, concurrency)
 
+    def scaled(self, factor: float) -> "EngineConstants":
+        """The same engine with every step-time term scaled by `factor` (a slower or faster device, or
+        a model `factor`× the size on the same one), same scheduler limits."""
+        return self.model_copy(update={
+            "step_base_s": self.step_base_s * factor, "prefill_token_s": self.prefill_token_s * factor,
+            "prefill_attention_s": self.prefill_attention_s * factor, "decode_seq_s": self.decode_seq_s * factor,
+            "prefill_overhead_s": self.prefill_overhead_s * factor})
+
 
 def attention_pairs(chunk_tokens: int, context_tokens: int) -> float:
     """The attention work of a prefill chunk of c tokens over k tokens already computed, in

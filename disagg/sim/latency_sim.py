@@ -288,19 +288,6 @@ def _record(f: _Flight, inst: ModelInstance, t_first: float) -> QueryRecord:
 # --- fleets --------------------------------------------------------------------------------------
 
 
-def scaled_constants(c: EngineConstants, factor: float) -> EngineConstants:
-    """The same engine with every step-time term (base, τ_pre, attention, per-sequence decode,
-    prefill overhead) scaled by `factor`: a model `factor`× the size on the same hardware, same
-    scheduler limits."""
-    return c.model_copy(update={
-        "step_base_s": c.step_base_s * factor,
-        "prefill_token_s": c.prefill_token_s * factor,
-        "prefill_attention_s": c.prefill_attention_s * factor,
-        "decode_seq_s": c.decode_seq_s * factor,
-        "prefill_overhead_s": c.prefill_overhead_s * factor,
-    })
-
-
 def make_fleet(counts: Sequence[tuple[str, int]],
                models: dict[str, tuple[EngineConstants, ModelPrices]]) -> list[ModelInstance]:
     """Instances `<model>-<n>` for each (model, count), in the order given; `models[name] = (constants, prices)`."""
@@ -327,4 +314,4 @@ def parse_fleet(text: str) -> list[tuple[str, int]]:
 
 
 __all__ = ["FleetResult", "QueryRecord", "RouterSnapshots", "make_fleet", "naive_remaining_output", "parse_fleet",
-           "poll_snapshot", "remaining_output", "scaled_constants", "simulate_fleet"]
+           "poll_snapshot", "remaining_output", "simulate_fleet"]

@@ -57,7 +57,6 @@ from disagg.sim.latency_sim import (
     naive_remaining_output,
     parse_fleet,
     remaining_output,
-    scaled_constants,
     simulate_fleet,
 )
 from disagg.sim.synthetic_accuracy import synthetic_evaluations, true_accuracy
@@ -106,7 +105,7 @@ class RunFigures:
 
 
 def fleet_models(cm: CostModel, large_scale: float) -> dict:
-    return {"small": (cm.engine, PRICES["small"]), "large": (scaled_constants(cm.engine, large_scale), PRICES["large"])}
+    return {"small": (cm.engine, PRICES["small"]), "large": (cm.engine.scaled(large_scale), PRICES["large"])}
 
 
 def figures(result: FleetResult, fleet: Sequence[ModelInstance], router: str, lam: float, seed: int) -> RunFigures:

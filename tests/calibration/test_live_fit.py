@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from calibration.fit import CalibrationError, InstanceSamples, Sample, fit_fleet
+from calibration.fit import SPEED_MATERIAL, CalibrationError, InstanceSamples, Sample, fit_engine, fit_fleet, speed_of
 from calibration.live import Fleet, LiveCalibrationError, LiveCalibrator, LivePlan
 from disagg.core.cost_model import load_profile
 from disagg.core.types import SloClass
@@ -29,7 +29,7 @@ def instance(t: dict, noise: float = 0.01, seed: int = 0, kv: int = 100_000) -> 
                            held_out_decode=[Sample(12, dec(12))], kv_capacity_tokens=kv)
 
 
-def test_each_instance_gets_its_own_constants_and_the_pool_default_lies_between():
+def test_instances_of_other_hardware_get_their_own_constants_and_the_pool_default_lies_between():
     cm, fits = fit_fleet({"prefill-a": instance(FAST), "decode-b": instance(SLOW, seed=1)}, BASE, "live", "tiny:tiny",
                          serving_overhead_s=0.02, measured_at="2026-12-01T21:00:00+00:00")
     fast, slow = cm.for_instance("prefill-a"), cm.for_instance("decode-b")
@@ -49,6 +49,51 @@ def test_each_instance_gets_its_own_constants_and_the_pool_default_lies_between(
     cm2, _ = fit_fleet({"a": instance(FAST, kv=50_000), "b": instance(FAST, seed=2)}, BASE, "live", "tiny:tiny",
                        0.0, "t")
     assert cm2.engine.kv_capacity_tokens == 50_000 and cm2.for_instance("b").kv_capacity_tokens == 100_000
+
+
+def test_instances_of_one_speed_share_one_fit_which_predicts_each_better_than_its_own():
+    # three identical engines, probed twice per point with 8% noise: each one's own fit trades its
+    # terms off on too few samples, the shared fit has three times the data
+    noisy = {f"decode-{k}": instance(FAST, noise=0.08, seed=10 + k) for k in range(3)}
+    truth = {f"decode-{k}": instance(FAST, noise=0.0) for k in range(3)}
+    cm, fits = fit_fleet(noisy, BASE, "live", "tiny:tiny", 0.0, "t")
+    assert all(f.shared and f.speed == pytest.approx(1.0, abs=0.05) for f in fits.values())
+    for iid in noisy:
+        priced = cm.for_instance(iid)
+        assert priced == cm.engine.model_copy(update={"kv_capacity_tokens": noisy[iid].kv_capacity_tokens})
+
+    def error(e, s: InstanceSamples) -> float:  # the worst, against the noiseless truth at every point
+        pre = [abs(e.prefill_s(int(x.x)) - x.seconds) / x.seconds for x in s.prefill + s.held_out_prefill]
+        dec = [abs(e.decode_token_s(int(x.x)) - x.seconds) / x.seconds for x in s.decode + s.held_out_decode]
+        return max(pre + dec)
+
+    limits = (BASE.engine.block_size, BASE.engine.max_num_seqs, BASE.engine.max_batched_tokens)
+    own = [error(fit_engine(s.prefill, s.decode, s.kv_capacity_tokens, *limits)[0], truth[iid])
+           for iid, s in noisy.items()]
+    shared = [error(cm.for_instance(iid), truth[iid]) for iid in noisy]
+    assert max(shared) < max(own)
+
+
+def test_an_instance_off_the_common_speed_gets_its_own_fit_and_does_not_bend_the_shared_one():
+    fleet = {f"decode-{k}": instance(FAST, seed=k) for k in range(3)} | {"decode-odd": instance(SLOW, seed=9)}
+    cm, fits = fit_fleet(fleet, BASE, "live", "tiny:tiny", 0.0, "t")
+    assert [iid for iid, f in fits.items() if not f.shared] == ["decode-odd"]
+    assert fits["decode-odd"].speed > 1 + SPEED_MATERIAL
+    odd = cm.for_instance("decode-odd")
+    assert odd.prefill_token_s == pytest.approx(SLOW["tau_pre"], rel=0.1)
+    assert odd.step_base_s == pytest.approx(SLOW["base"], rel=0.1)
+    # the shared fit, and so the default and the SLO targets, describe the typical engines
+    assert cm.engine.prefill_token_s == pytest.approx(FAST["tau_pre"], rel=0.1)
+    assert cm.engine.step_base_s == pytest.approx(FAST["base"], rel=0.1)
+    assert fits["decode-odd"].held_out["median_rel_error"] < 0.05
+
+
+def test_speed_of_samples_is_the_factor_their_engine_runs_at():
+    e = BASE.engine
+    slow = e.scaled(1.7)
+    pre = [Sample(p, slow.prefill_s(p)) for p in (16, 256, 1984)]
+    dec = [Sample(b, slow.decode_token_s(b)) for b in (1, 16)]
+    assert speed_of(e, pre, dec) == pytest.approx(1.7)
 
 
 def test_a_measured_hand_off_enters_the_model_and_the_slo_rule_an_unmeasured_one_is_kept():
@@ -126,10 +171,13 @@ def test_the_driver_follows_the_plan_pauses_after_every_probe_and_fits_what_it_m
     assert time.monotonic() - t0 >= 0.005 * n  # a pause after each probe
     assert {b["instance"] for _, b in probes.calls} == {"decode-2"}
     assert len({b["seed"] for _, b in probes.calls}) == n  # every probe's prompt is new: no prefix-cache hits
-    # one unmeasured wake-up, then every point once per round
-    assert n == 1 + PLAN.steps() and PLAN.rounds >= 2
+    # one unmeasured wake-up, then every fitted point once per round, every held-out point in more rounds
+    assert n == 1 + PLAN.steps() and 2 <= PLAN.rounds < PLAN.held_out_rounds
     assert sorted(x.x for x in s.prefill) == sorted(PLAN.prefill_lengths * PLAN.rounds)
     assert sorted(x.x for x in s.decode) == sorted(PLAN.concurrencies * PLAN.rounds)
+    asked = [(b["kind"], b["size"]) for _, b in probes.calls[1:]]
+    assert all(asked.count(("prefill", n)) == PLAN.held_out_rounds for n in PLAN.held_out_lengths)
+    assert all(asked.count(("decode", c)) == PLAN.held_out_rounds for c in PLAN.held_out_concurrencies)
     # a held-out point is the median of its rounds: one sample each
     assert sorted(x.x for x in s.held_out_prefill) == sorted(PLAN.held_out_lengths)
     assert sorted(x.x for x in s.held_out_decode) == sorted(PLAN.held_out_concurrencies)
@@ -137,10 +185,9 @@ def test_the_driver_follows_the_plan_pauses_after_every_probe_and_fits_what_it_m
     assert all(b["tokens"] == PLAN.decode_tokens for _, b in probes.calls if b["kind"] == "decode")
     assert all(b["repeats"] == PLAN.prefill_repeats for _, b in probes.calls if b["kind"] == "prefill")
     # rounds visit the points in different orders, so a slow spell does not land on one point
-    order = [(b["kind"], b["size"]) for _, b in probes.calls[1:]]
-    per_round = len(order) // PLAN.rounds
-    assert order[:per_round] != order[per_round:2 * per_round]
-    assert sorted(order[:per_round]) == sorted(order[per_round:2 * per_round])
+    per_round = len(PLAN.prefill_lengths + PLAN.held_out_lengths + PLAN.concurrencies + PLAN.held_out_concurrencies)
+    assert asked[:per_round] != asked[per_round:2 * per_round]
+    assert sorted(asked[:per_round]) == sorted(asked[per_round:2 * per_round])
     cm, fits = fit_fleet({"decode-2": s}, BASE, "live", "tiny:tiny", 0.0, "t")
     assert cm.for_instance("decode-2").decode_seq_s == pytest.approx(SLOW["tau_seq"], rel=1e-6)
     assert fits["decode-2"].held_out["median_rel_error"] < 1e-6

@@ -334,3 +334,14 @@ def test_cost_model_is_frozen():
         cm.name = "other"
     with pytest.raises(Exception):
         cm.engine.step_base_s = 0.5
+
+
+def test_scaled_constants_scale_every_step_time_term_the_attention_included():
+    c = EngineConstants(step_base_s=0.01, prefill_token_s=1e-4, decode_seq_s=1e-3, prefill_overhead_s=0.002,
+                        prefill_attention_s=1e-8, kv_capacity_tokens=4096)
+    big = c.scaled(3.0)
+    for n in (16, 1000, 2048):
+        assert big.prefill_s(n) == pytest.approx(3.0 * c.prefill_s(n))
+        assert big.prefill_s(n, context_tokens=500) == pytest.approx(3.0 * c.prefill_s(n, context_tokens=500))
+    assert big.decode_token_s(8) == pytest.approx(3.0 * c.decode_token_s(8))
+    assert big.kv_capacity_tokens == c.kv_capacity_tokens and big.max_num_seqs == c.max_num_seqs

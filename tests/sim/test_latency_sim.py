@@ -161,16 +161,3 @@ def test_true_outputs_tell_the_router_each_querys_real_output_length():
     assert all(r.predicted_output_tokens == r.output_tokens for r in res.records)
     res = simulate_fleet(trace, fleet(), build_model_router("latency_aware", 0.0, ACC), limit)
     assert any(r.predicted_output_tokens != r.output_tokens for r in res.records)
-
-
-def test_a_larger_model_scales_every_step_time_term_the_attention_included():
-    from disagg.core.cost_model import EngineConstants
-    from disagg.sim.latency_sim import scaled_constants
-
-    c = EngineConstants(step_base_s=0.01, prefill_token_s=1e-4, decode_seq_s=1e-3, prefill_overhead_s=0.002,
-                        prefill_attention_s=1e-8, kv_capacity_tokens=4096)
-    big = scaled_constants(c, 3.0)
-    for n in (16, 1000, 2048):
-        assert big.prefill_s(n) == pytest.approx(3.0 * c.prefill_s(n))
-    assert big.decode_token_s(8) == pytest.approx(3.0 * c.decode_token_s(8))
-    assert big.kv_capacity_tokens == c.kv_capacity_tokens and big.max_num_seqs == c.max_num_seqs
