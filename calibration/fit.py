@@ -49,9 +49,10 @@ ATTENTION_MATERIAL = 0.02  # the attention term's least share of the longest pre
 SLO_HEADROOM = 2.0
 LOOSE_FACTOR = 3.0
 # An instance this far from the median instance's speed is priced by its own fit (`fit_fleet`).
-# Identical engines of one host measured one after the other came out 0.92–1.08× of their shared
-# fit in three live calibrations (the host's slow spells, not their hardware).
-SPEED_MATERIAL = 0.15
+# Identical engines of one host, measured one after the other, came out 0.88–1.14× of their
+# shared fit in ten live calibrations: the host's slow spells, not their hardware. Another
+# hardware generation is 1.5–2× or more.
+SPEED_MATERIAL = 0.3
 
 
 class CalibrationError(ValueError):

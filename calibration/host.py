@@ -6,6 +6,10 @@ serving path takes beside them (`CostModel.shared_host`, the processor-sharing m
    the app's engines at once (every model's: they all share the host), every engine measured alone
    too. An engine's step time with k busy over its time alone is the stretch at k; `engine_cores`
    is the least-squares fit of `stretch = max(1, k / engine_cores)` (`fit_engine_cores`).
+   Then the unevenness of that sharing (`prefill_weight`): in each round, a decode probe on one
+   engine and a run of lone prefills on another, each alone and then overlapping. The share each
+   got of the core is one over its stretch, and their ratio is the prefill's weight
+   (`fit_prefill_weight`).
 2. **Serving CPU.** The host's CPU time (/proc/stat, less this process's own) over three windows:
    idle, streams of long answers, and many short requests, all through the app. The idle rate is
    the stack's background (`idle_cores`). Each loaded window's CPU above it, less what the
@@ -19,6 +23,7 @@ The host must be the app's alone while this runs: any other work on it counts as
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import statistics
 import time
@@ -40,6 +45,8 @@ PROMPT_TOKENS = 32
 CONTENTION_BATCH = 4
 CONTENTION_TOKENS = 64
 CONTENTION_ROUNDS = 4  # probes of one engine vary by ±30% on shared cores: the medians need a few
+WEIGHT_PROMPT = 1024  # the prefill the weight is measured with: the SLO rule's reference prompt
+WEIGHT_LEAD_S = 0.03  # the first of two overlapping probes starts this long before the second
 QUIET_CORES = 0.4  # a host this busy with nothing served is still settling (`settle`); the CPU profile idles at ~0.2
 
 
@@ -78,6 +85,16 @@ def fit_engine_cores(stretch_at: dict[int, float], most: float) -> float:
     s = np.array([stretch_at[int(k)] for k in ks])
     errors = [float(np.sum((s - np.maximum(1.0, ks / e)) ** 2)) for e in grid]
     return round(float(grid[int(np.argmin(errors))]), 2)
+
+
+def fit_prefill_weight(decode_stretch: list[float], prefill_stretch: list[float]) -> float:
+    """A prefill step's weight against a decode step's, from rounds of the two overlapping on one
+    shared core: the ratio of the shares they got (one over each one's stretch), the median over
+    rounds. Fair sharing (2× and 2×) is 1."""
+    ratios = [d / p for d, p in zip(decode_stretch, prefill_stretch) if d > 0 and p > 0]
+    if not ratios:
+        raise HostCalibrationError("no round of the prefill-beside-decode measurement finished")
+    return round(statistics.median(ratios), 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +199,46 @@ async def measure_contention(engines: Sequence[str], post: Callable[[dict], Awai
     return {1: 1.0, **{k: statistics.median(v) for k, v in together.items()}}
 
 
+async def measure_prefill_weight(decoder: str, prefiller: str, post: Callable[[dict], Awaitable[dict]],
+                                 prompt: int, rounds: int, seed: int = 0) -> tuple[float, dict]:
+    """(`prefill_weight`, what was measured): each round times a decode probe on `decoder` and a
+    run of lone prefills of `prompt` tokens on `prefiller`, each alone, then each with the other
+    running from just before it to past its end (the overlapping one runs longer), paired within
+    the round so a slow spell lands on both."""
+    n = 0
+
+    async def probe(body: dict) -> float:
+        nonlocal n
+        n += 1
+        return float((await post({**body, "seed": seed * 1_000_003 + 700_000 + n}))["seconds"])
+
+    def decode(tokens: int) -> Awaitable[float]:
+        return probe({"instance": decoder, "kind": "decode", "size": CONTENTION_BATCH, "tokens": tokens})
+
+    def prefill(repeats: int) -> Awaitable[float]:
+        return probe({"instance": prefiller, "kind": "prefill", "size": prompt, "repeats": repeats})
+
+    async def beside(background: Awaitable[float], timed: Callable[[], Awaitable[float]]) -> float:
+        task = asyncio.ensure_future(background)
+        await asyncio.sleep(WEIGHT_LEAD_S)
+        try:
+            return await timed()
+        finally:
+            await task
+
+    # the background outlasts the timed probe however the two share the core: prefills of about 3× the
+    # decode probe's time alone, a decode of 3× its tokens beside 3 prefills
+    decode_s, prefill_s = [], []
+    for _ in range(rounds):
+        alone_d, alone_p = await decode(CONTENTION_TOKENS), await prefill(3)
+        repeats = min(16, max(3, math.ceil(3 * CONTENTION_TOKENS * alone_d / max(alone_p, 1e-6))))
+        decode_s.append(await beside(prefill(repeats), lambda: decode(CONTENTION_TOKENS)) / alone_d)
+        prefill_s.append(await beside(decode(3 * CONTENTION_TOKENS), lambda: prefill(3)) / alone_p)
+    weight = fit_prefill_weight(decode_s, prefill_s)
+    return weight, {"prompt_tokens": prompt, "decode_stretch": [round(x, 3) for x in decode_s],
+                    "prefill_stretch": [round(x, 3) for x in prefill_s], "prefill_weight": weight}
+
+
 async def measure_host(url: str, model: str, instances: dict[str, str], engine: EngineConstants,
                        post: Callable[[dict], Awaitable[dict]], plan: HostPlan = HostPlan(), seed: int = 0,
                        log: Callable[[str], None] = lambda m: None,
@@ -195,6 +252,13 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
     cores = float(os.cpu_count() or 1)
     engine_cores = fit_engine_cores(stretch_at, cores) if len(ids) > 1 else cores
     log(f"contention: stretch by busy engines {stretch_at} → engine_cores {engine_cores:g}")
+    weight, weight_report = 1.0, None
+    if len(instances) > 1:  # a prefill on one of the model's engines beside a decode on another
+        own = sorted(instances, key=lambda iid: instances[iid] != "prefill")
+        weight, weight_report = await measure_prefill_weight(
+            own[1], own[0], post, min(WEIGHT_PROMPT, engine.max_batched_tokens), plan.contention_rounds, seed)
+        log(f"prefill beside decode: decode stretched {weight_report['decode_stretch']}, prefill "
+            f"{weight_report['prefill_stretch']} → prefill_weight {weight:g}")
 
     decode = sum(role == "decode" for role in instances.values()) or len(instances)
     idle_cpu, idle_wall, _ = await _cpu_of(lambda: asyncio.sleep(plan.idle_s))
@@ -214,7 +278,8 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
             f"{w.engine_s:.2f} s of it engine steps")
     token_cpu_s, request_cpu_s = fit_serving_cpu(windows)
     host = SharedHost(engine_cores=engine_cores, cores=cores, token_cpu_s=round(token_cpu_s, 7),
-                      request_cpu_s=round(request_cpu_s, 6), idle_cores=round(min(idle_rate, cores), 3))
-    report = {"stretch_by_busy_engines": stretch_at, "idle_cores": round(idle_rate, 4), "windows": report_windows,
-              "shared_host": host.model_dump(mode="json")}
+                      request_cpu_s=round(request_cpu_s, 6), idle_cores=round(min(idle_rate, cores), 3),
+                      prefill_weight=min(max(weight, 0.1), 10.0))
+    report = {"stretch_by_busy_engines": stretch_at, "prefill_beside_decode": weight_report,
+              "idle_cores": round(idle_rate, 4), "windows": report_windows, "shared_host": host.model_dump(mode="json")}
     return host, report

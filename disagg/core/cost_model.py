@@ -144,6 +144,12 @@ class SharedHost(_Strict):
     idle_cores: float = Field(default=0.0, ge=0.0, le=4096.0,
                               description="processors the serving stack takes with nothing served (Ray, the "
                                           "engines' state pushes, metrics), a share of every core")
+    # 1 (the default) is the fair sharing every profile before it meant
+    prefill_weight: float = Field(
+        default=1.0, gt=0.0, le=10.0,
+        description="the share of the engines' cores a step of prefill claims against a decode step's (1: "
+                    "even). The operating system favours long compute-bound steps: beside a batch of "
+                    "decodes, a 1,984-token prefill took about 62% of one core, not half")
     measured_at: str | None = Field(default=None, description="when calibration measured these (ISO 8601, UTC)")
 
     @model_validator(mode="after")
@@ -152,11 +158,18 @@ class SharedHost(_Strict):
             raise ValueError(f"engine_cores ({self.engine_cores!r}) cannot exceed the host's cores ({self.cores!r})")
         return self
 
-    def stretch(self, busy: int, token_cores: float = 0.0, request_cores: float = 0.0) -> float:
-        """How many times slower than alone each busy engine's steps run, with `busy` engines busy, the
+    def stretch(self, busy: int, token_cores: float = 0.0, request_cores: float = 0.0,
+                own: float = 1.0, weights: float | None = None) -> float:
+        """How many times slower than alone a busy engine's steps run, with `busy` engines busy, the
         serving path streaming their tokens (`token_cores`: the processors it needs at the engines'
         unstretched rates) and serving the requests arriving (`request_cores`), beside the stack's
         background (`idle_cores`); 1 when nothing is busy.
+
+        With more busy engines than `engine_cores`, each gets the cores in proportion to its step's
+        weight (`own`, of `weights` summed over the busy engines, the engine's own included; by
+        default every weight is 1: `step_weight`). A heavy engine's share above one core is not
+        handed on to the others: the light ones are priced as if it took it, a bound that is
+        exact on one core.
 
         The tokens come at the stretched rate — the engines that make them are slowed too — so their
         share is `token_cores / σ` and σ is the fixed point σ = b + a / σ (b the engines' sharing and
@@ -165,9 +178,20 @@ class SharedHost(_Strict):
         at 12.7 ms a token where they streamed at 8.1 (docs/results.md)."""
         if busy <= 0:
             return 1.0
-        b = max(1.0, busy / self.engine_cores) + (request_cores + self.idle_cores) / self.cores
+        if weights is None or busy <= self.engine_cores:
+            sharing = max(1.0, busy / self.engine_cores)
+        else:
+            sharing = max(1.0, weights / (own * self.engine_cores))
+        b = sharing + (request_cores + self.idle_cores) / self.cores
         a = token_cores / self.cores
         return b if a == 0.0 else 0.5 * (b + math.sqrt(b * b + 4.0 * a))
+
+    def step_weight(self, prefill_s: float, seconds: float) -> float:
+        """The weight of a step of `seconds` (alone), `prefill_s` of it prefill work: `prefill_weight`
+        for a step all prefill, 1 for one all decode, in proportion between."""
+        if self.prefill_weight == 1.0 or prefill_s <= 0.0 or seconds <= 0.0:
+            return 1.0
+        return 1.0 + (self.prefill_weight - 1.0) * min(1.0, prefill_s / seconds)
 
     def serving_cores(self, tokens: float, seconds: float) -> float:
         """Processors the serving path needs to keep up with `tokens` streamed every `seconds` (an

@@ -135,6 +135,9 @@ class RequestRate:
         return RequestRate(self.window_s, self._rate, self._at)
 
 
+_WEIGHT_CHANGE = 0.05  # a busy engine's step weight moving by more re-plans the others (`HostShare.busy_changes`)
+
+
 class HostShare:
     """The busy engines of one shared host and the serving-path CPU they call for; says how much
     slower than alone a step planned now runs (`SharedHost.stretch`). An engine is busy from the
@@ -151,18 +154,22 @@ class HostShare:
         self.host = host
         self.loads: dict[str, float] = {}  # busy engine → serving cores its current step's tokens call for
         self.total = 0.0
+        self.weights: dict[str, float] = {}  # busy engine → its current step's weight (`SharedHost.step_weight`)
+        self.weight = 0.0  # their sum
         self.requests = requests if requests is not None else RequestRate()
-        self.busy_changes = 0  # bumped whenever an engine becomes busy or idle
+        self.busy_changes = 0  # bumped whenever an engine becomes busy or idle, or its step's weight changes
         self.releases: list[tuple[float, str]] = []  # (when, engine): known idle from then on (`release_at`)
 
     def arrive(self, now: float) -> None:
         """A request came to the host at `now` (its serving path's per-request work starts)."""
         self.requests.arrive(now)
 
-    def step(self, instance_id: str, tokens: int, seconds: float, now: float) -> float:
-        """An engine plans a step of `seconds` (alone) at `now` that streams `tokens`: its stretch."""
-        self._busy(instance_id, self.host.serving_cores(tokens, seconds))
-        return self.stretch_at(now)
+    def step(self, instance_id: str, tokens: int, seconds: float, now: float, prefill_s: float = 0.0) -> float:
+        """An engine plans a step of `seconds` (alone, `prefill_s` of it prefill work) at `now` that
+        streams `tokens`: its stretch."""
+        weight = self.host.step_weight(prefill_s, seconds)
+        self._busy(instance_id, self.host.serving_cores(tokens, seconds), weight)
+        return self.stretch_at(now, weight)
 
     def release_at(self, instance_id: str, when: float) -> None:
         """A busy engine that nothing here drives goes idle at `when` (the estimator's peers, whose work
@@ -177,31 +184,39 @@ class HostShare:
         a busy engine's share of the host and streams nothing (docs/results.md: a lone hand-off's
         decode engine spent more CPU on a two-token answer than an engine serving a whole
         1,024-token request)."""
-        self._busy(instance_id, 0.0)
+        self._busy(instance_id, 0.0, 1.0)
 
-    def _busy(self, instance_id: str, load: float) -> None:
-        """`instance_id` is busy, its serving path needing `load` cores."""
+    def _busy(self, instance_id: str, load: float, weight: float) -> None:
+        """`instance_id` is busy with a step of `weight`, its serving path needing `load` cores."""
         old = self.loads.get(instance_id)
+        was = self.weights.get(instance_id, 0.0)
         if old is None:
             self.busy_changes += 1
             old = 0.0
+        elif abs(weight - was) > _WEIGHT_CHANGE:  # the others' shares move as much as if one came or went
+            self.busy_changes += 1
         self.loads[instance_id] = load
         self.total += load - old
+        self.weight += weight - was
+        self.weights[instance_id] = weight
 
-    def stretch_at(self, now: float) -> float:
-        """How many times slower than alone the host runs work at `now`: the stretch of a step planned
-        now, which the serving path's own time outside the engines takes too (one model of the host
-        for the engines and the processes beside them). Releases due by `now` take effect first."""
+    def stretch_at(self, now: float, own: float = 1.0) -> float:
+        """How many times slower than alone the host runs work of weight `own` at `now`: the stretch
+        of a step planned now, which the serving path's own time outside the engines takes too (one
+        model of the host for the engines and the processes beside them, a decode step's weight).
+        Releases due by `now` take effect first."""
         while self.releases and self.releases[0][0] <= now:
             self.idle(self.releases.pop(0)[1])
         requests = self.host.request_cores(self.requests.at(now)) if self.host.request_cpu_s else 0.0
-        return self.host.stretch(len(self.loads), self.total, requests)
+        return self.host.stretch(len(self.loads), self.total, requests, own, self.weight)
 
     def idle(self, instance_id: str) -> None:
         old = self.loads.pop(instance_id, None)
         if old is not None:
             self.busy_changes += 1
+            weight = self.weights.pop(instance_id)
             self.total = self.total - old if self.loads else 0.0  # no rounding drift once all are idle
+            self.weight = self.weight - weight if self.loads else 0.0
 
     @property
     def busy(self) -> int:
@@ -211,6 +226,8 @@ class HostShare:
         other = HostShare(self.host, self.requests.copy())
         other.loads = dict(self.loads)
         other.total = self.total
+        other.weights = dict(self.weights)
+        other.weight = self.weight
         other.releases = list(self.releases)
         return other
 
@@ -383,7 +400,8 @@ class EngineModel:
                     pairs += attention_pairs(c, job.computed)
             self._dur = self.c.step_s(tokens, n, pairs) + self.c.prefill_overhead_s * finishing
             if self.share is not None:
-                self._dur *= self.share.step(self.instance_id, n + finishing, self._dur, now)
+                prefill = self._dur - self.c.step_s(0, n) if n else self._dur  # beside decodes, what the chunks add
+                self._dur *= self.share.step(self.instance_id, n + finishing, self._dur, now, prefill)
         elif n:
             while self._fin and self._fin[0][3].epoch != self._fin[0][2]:
                 heapq.heappop(self._fin)

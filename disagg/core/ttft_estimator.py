@@ -432,15 +432,25 @@ def _share_of(host: SharedHost, peers: list[tuple[EngineConstants, InstanceSnaps
     for k, (c, snap, seconds) in enumerate(peers):
         if snap.in_flight:
             decoding = sum(not r.prefilling for r in snap.running)
-            share.step(f"peer-{k}", decoding, c.decode_token_s(decoding), now)
+            chunk = min(_prefill_left(snap), max(0, c.max_batched_tokens - decoding))
+            step = c.step_s(chunk, decoding)
+            # its next step's prefill, as the engine model weighs it (beside decodes, what the chunk adds)
+            prefill = 0.0 if not chunk else step - c.step_s(0, decoding) if decoding else step
+            share.step(f"peer-{k}", decoding, step, now, prefill)
             busy.append((f"peer-{k}", seconds))
     if busy:
-        share.step(_ESTIMATED, 0, 1.0, now)  # the estimated instance is busy beside them
+        share.step(_ESTIMATED, 0, 1.0, now, 1.0)  # the estimated instance prefills beside them
         stretch = share.stretch_at(now)
         share.idle(_ESTIMATED)
         for peer, seconds in busy:
             share.release_at(peer, now + seconds * stretch)
     return share
+
+
+def _prefill_left(snap: InstanceSnapshot) -> int:
+    """Prompt tokens the snapshot has still to prefill: running prefills' rest and the queue's prompts."""
+    left = sum(r.prompt_tokens + r.decoded_tokens - (r.kv_tokens or 0) for r in snap.running if r.prefilling)
+    return left + sum(q.prompt_tokens + q.generated_tokens for q in snap.waiting if not q.remote_kv)
 
 
 # --- reading an engine model ---------------------------------------------------------------------

@@ -108,6 +108,10 @@ def test_the_running_fleet_is_calibrated_per_instance_and_the_router_prices_with
         assert host.measured_at == next(iter(cm.instances.values())).measured_at
         assert 0 < host.token_cpu_s < 0.02 and 0 <= host.request_cpu_s < 0.5
         r = json.loads(report.read_text())
+        # a prefill beside a decode, on two of the engines: the weight the host shares them by
+        beside = r["shared_host"]["prefill_beside_decode"]
+        assert host.prefill_weight == beside["prefill_weight"] and 0.3 < host.prefill_weight < 5
+        assert len(beside["decode_stretch"]) == len(beside["prefill_stretch"]) >= 2
         stretch = r["shared_host"]["stretch_by_busy_engines"]
         assert set(stretch) == {str(k) for k in range(1, len(before["instances"]) + 1)}
         assert set(r["instances"]) == set(cm.instances)

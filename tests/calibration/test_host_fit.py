@@ -83,3 +83,45 @@ def test_contention_probes_every_engine_of_the_host_and_recovers_its_cores():
     assert set(probed) == set(alone_s)
     assert stretch_at == pytest.approx({1: 1.0, 2: host.stretch(2)})
     assert fit_engine_cores(stretch_at, most=2.0) == pytest.approx(1.2, abs=0.011)
+
+
+def test_a_prefills_weight_is_the_ratio_of_the_shares_the_two_got():
+    from calibration.host import HostCalibrationError, fit_prefill_weight
+
+    assert fit_prefill_weight([2.0, 2.0], [2.0, 2.0]) == 1.0  # fair sharing
+    assert fit_prefill_weight([3.0, 2.6, 2.8], [1.5, 1.6, 1.4]) == pytest.approx(2.0)  # the median round
+    with pytest.raises(HostCalibrationError, match="no round"):
+        fit_prefill_weight([], [])
+
+
+def test_the_prefill_weight_probes_overlap_and_recover_the_weight_the_host_shares_by():
+    """A stand-in host that shares one core by weight: the timed probe of each pair runs beside the
+    other, which is already busy, and the measured stretches give back the weight."""
+    import asyncio
+
+    from calibration.host import CONTENTION_TOKENS, measure_prefill_weight
+
+    host = SharedHost(engine_cores=1, cores=2, prefill_weight=1.8)
+    busy: dict[str, str] = {}
+    bodies = []
+
+    async def post(body: dict) -> dict:
+        iid, kind = body["instance"], body["kind"]
+        bodies.append(body)
+        weight = {"prefill": host.prefill_weight, "decode": 1.0}
+        others = [k for i, k in busy.items() if i != iid]
+        busy[iid] = kind
+        stretch = host.stretch(1 + len(others), own=weight[kind], weights=weight[kind] + sum(weight[k] for k in others))
+        alone = 0.002 if kind == "decode" else 0.02
+        await asyncio.sleep(0.001 * body["tokens"] if kind == "decode" else 0.01 * body["repeats"])
+        del busy[iid]
+        return {"seconds": alone * stretch}
+
+    weight, report = asyncio.run(measure_prefill_weight("decode-1", "prefill-0", post, 1024, rounds=2))
+    assert weight == pytest.approx(1.8)
+    assert report["decode_stretch"] == pytest.approx([2.8, 2.8], abs=1e-3)  # rounded in the report
+    assert report["prefill_stretch"] == pytest.approx([2.8 / 1.8] * 2, abs=1e-3)
+    assert {b["instance"] for b in bodies if b["kind"] == "prefill"} == {"prefill-0"}
+    assert all(b["size"] == 1024 for b in bodies if b["kind"] == "prefill")
+    # the background prefills outlast the decode probe: about 3× its time alone, within the probe's limit
+    assert max(b["repeats"] for b in bodies if b["kind"] == "prefill") == min(16, 3 * CONTENTION_TOKENS * 2 // 20 + 1)

@@ -57,7 +57,7 @@ class ReferenceSloGoodput(SloGoodput):
             if host is None:
                 ends.append((q + work, q, work, p, stall))
             else:
-                ends.append(((q + work) * host.sigma_on(p), q, work, p, stall + host.prefill_stall(work, p, out)))
+                ends.append(((q + work) * host.prefill_sigma(p), q, work, p, stall + host.prefill_stall(work, p, out)))
         all_ends = ends
         if ends and not cm.pairs:  # the earliest end, and each later one that stalls fewer hosted decodes
             ordered = sorted(ends, key=lambda e: e[0])

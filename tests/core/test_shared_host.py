@@ -383,3 +383,100 @@ def test_a_hosts_stretch_now_counts_its_busy_engines_and_the_requests_coming():
     for i in range(100):  # 20 requests a second for 5 s: one core of the serving path, half of each
         share.arrive(i * 0.05)
     assert share.stretch_at(4.95) == pytest.approx(2.5, rel=0.02)
+
+
+# --- uneven sharing: a prefill claims more of a shared core than a decode step (`prefill_weight`) ---
+
+UNEVEN = SharedHost(engine_cores=1, cores=2, prefill_weight=2.0)
+
+
+def test_a_prefill_beside_a_decode_takes_its_weight_of_the_core():
+    # one core, a prefill of weight 2 beside a decode of weight 1: shares 2/3 and 1/3
+    assert UNEVEN.stretch(2, own=2.0, weights=3.0) == pytest.approx(1.5)
+    assert UNEVEN.stretch(2, own=1.0, weights=3.0) == pytest.approx(3.0)
+    # even weights are the fair sharing of before, whichever way they are passed
+    assert UNEVEN.stretch(2, own=1.0, weights=2.0) == ONE_CORE.stretch(2) == 2.0
+    # with a core each, nobody waits, whatever the weights
+    assert SharedHost(engine_cores=2, cores=2, prefill_weight=2.0).stretch(2, own=1.0, weights=3.0) == 1.0
+
+
+def test_a_steps_weight_follows_the_prefill_share_of_its_time():
+    assert UNEVEN.step_weight(0.0, 0.01) == 1.0  # a decode step
+    assert UNEVEN.step_weight(0.01, 0.01) == 2.0  # all prefill
+    assert UNEVEN.step_weight(0.0075, 0.01) == pytest.approx(1.75)
+    assert ONE_CORE.step_weight(0.01, 0.01) == 1.0  # the default weighs every step alike
+
+
+def test_host_share_weighs_each_busy_engines_step():
+    share = HostShare(UNEVEN)
+    assert share.step("d", 4, 0.003, 0.0) == 1.0  # alone
+    changes = share.busy_changes
+    assert share.step("p", 1, 0.05, 0.0, prefill_s=0.05) == pytest.approx(1.5)  # the prefill, beside the decode
+    assert share.stretch_at(0.0) == pytest.approx(3.0)  # what a decode step planned now gets
+    assert share.busy_changes == changes + 1
+    # the decode engine turns to a step all prefill: the others' shares move, so they re-plan
+    assert share.step("d", 4, 0.05, 0.0, prefill_s=0.05) == pytest.approx(2.0)
+    assert share.busy_changes == changes + 2
+    copy = share.copy()
+    share.idle("p")
+    assert share.weight == pytest.approx(2.0) and share.stretch_at(0.0, 2.0) == 1.0
+    assert copy.weight == pytest.approx(4.0) and copy.stretch_at(0.0) == pytest.approx(4.0)
+
+
+def test_an_engine_prefills_faster_and_a_neighbour_decodes_slower_than_even_sharing_says():
+    def run(host: SharedHost) -> tuple[float, float]:
+        c = consts()
+        share = HostShare(host)
+        decoder, prefiller = EngineModel("d", c, share), EngineModel("p", c, share)
+        decoder.submit(Job("x", prompt=8, target=400))
+        t0 = decoder.poke(0.0)
+        decoder.end_step(t0)  # its prefill done: it decodes from here on, a macro step planned alone
+        decoder.poke(t0)
+        prefiller.submit(Job("y", prompt=1000, target=1))
+        prefill_s = prefiller.poke(t0) - t0  # planned beside the decoding engine
+        cut = decoder.poke(t0)  # its macro step ends with the step in flight
+        decoder.end_step(cut)
+        decoder.poke(cut)
+        return prefill_s, decoder.poke(cut) - cut  # its next step, planned beside the prefill
+
+    c = consts()
+    even_prefill, even_step = run(ONE_CORE)
+    prefill, step = run(UNEVEN)
+    assert even_step == pytest.approx(2 * c.decode_token_s(1)) and step == pytest.approx(3 * c.decode_token_s(1))
+    assert prefill == pytest.approx(0.75 * even_prefill)  # 1.5× alone, not 2×
+
+
+def test_the_estimator_prices_a_prefill_at_its_weight_beside_busy_peers():
+    from disagg.core.ttft_estimator import InstanceSnapshot, RunningRequest, estimate_ttft, peer_share
+
+    c = consts(max_batched_tokens=256)
+    decoding = InstanceSnapshot(running=(RunningRequest(prompt_tokens=32, decoded_tokens=2, remaining_tokens=50),))
+    prefilling = InstanceSnapshot(running=(RunningRequest(prompt_tokens=600, decoded_tokens=0, remaining_tokens=1,
+                                                          prefilling=True, kv_tokens=256),))
+    alone = estimate_ttft(c, InstanceSnapshot(), 100).ttft_s
+    # a prefill beside a decoding peer gets 2 parts of the core in 3
+    assert estimate_ttft(c, InstanceSnapshot(), 100, host=peer_share(UNEVEN, [(c, decoding)])).ttft_s == \
+        pytest.approx(1.5 * alone)
+    # beside a peer that prefills too, the two weigh alike: half each
+    share = peer_share(UNEVEN, [(c, prefilling)])
+    assert share.weights["peer-0"] == pytest.approx(UNEVEN.step_weight(1.0, 1.0))
+    assert estimate_ttft(c, InstanceSnapshot(), 100, host=share).ttft_s == pytest.approx(2 * alone)
+
+
+def test_slo_goodput_prices_a_prefill_at_its_weight_and_a_decode_beside_a_prefilling_engine_at_its_own():
+    from disagg.core.policies.slo_goodput import _HostLoad
+    from disagg.core.types import InstanceView, Role
+
+    cm = load_profile("cpu-tiny").model_copy(update={"shared_host": UNEVEN})
+
+    def view(iid: str, role: Role, queued: int = 0, backlog_s: float = 0.0) -> InstanceView:
+        return InstanceView(instance_id=iid, role=role, kv_used_tokens=0, kv_capacity_tokens=100_000,
+                            queued=queued, backlog_s=backlog_s)
+
+    p, d = view("p", Role.PREFILL, backlog_s=0.2), view("d", Role.DECODE, queued=4)
+    load = _HostLoad(cm, UNEVEN, [p], [d], spread=0.1, floor=0.01, requests_per_s=0.0)
+    assert load.sigma == pytest.approx(3.0)  # the decodes, beside a prefill of weight 2
+    assert load.prefill_sigma(p) == pytest.approx(1.5)
+    idle_p = view("p", Role.PREFILL)
+    load = _HostLoad(cm, UNEVEN, [idle_p], [d], spread=0.1, floor=0.01, requests_per_s=0.0)
+    assert load.sigma == 1.0 and load.prefill_sigma(idle_p) == pytest.approx(1.5)  # it would join the decodes

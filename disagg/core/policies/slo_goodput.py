@@ -468,7 +468,7 @@ class SloGoodput(Policy):
             if not uniform:
                 cached = cached_prompt_tokens(p, req)  # the uncached rest attends to the cached prefix too
                 work = cm.for_instance(p.instance_id).prefill_s(prompt - cached, cached)
-            ends.append((q + work if host is None else (q + work) * host.sigma_on(p), q, work, p))
+            ends.append((q + work if host is None else (q + work) * host.prefill_sigma(p), q, work, p))
         return ends
 
 
@@ -497,33 +497,49 @@ class _HostLoad:
     tokens they stream and the requests arriving, and the sequences running there, each with its
     TPOT as it is now."""
 
-    __slots__ = ("host", "busy", "k", "sigma", "sigma_up", "running", "spread", "floor", "_harm_up")
+    __slots__ = ("host", "busy", "k", "weights", "weight", "tokens", "requests", "sigma", "sigma_up", "running",
+                 "spread", "floor", "_harm_up")
 
     def __init__(self, cm: CostModel, host: SharedHost, prefill: list[InstanceView], decode: list[InstanceView],
                  spread: float, floor: float, requests_per_s: float) -> None:
         self.host, self.spread, self.floor = host, spread, floor
         views = {v.instance_id: v for v in (*prefill, *decode)}
         self.busy: set[str] = set()
+        # each busy engine's weight on the host: a prefill instance with prefills queued claims a
+        # prefill's share (`SharedHost.prefill_weight`), the others a decode step's
+        self.weights: dict[str, float] = {}
         batches = []  # (instance, engine constants, running sequences) of each busy engine that decodes
         for iid, v in views.items():
             b = v.queued if v.role is not Role.PREFILL else v.hosted
             if b or v.backlog_s > 0:
                 self.busy.add(iid)
+                prefilling = v.role is Role.PREFILL and v.backlog_s > 0
+                self.weights[iid] = host.prefill_weight if prefilling else 1.0
                 if b:
                     batches.append((iid, cm.for_instance(iid), b))
         self.k = len(self.busy)
+        self.weight = sum(self.weights.values())
         # the serving path streams each decoding engine's batch once per step, and does each request's
         # own work at the rate they come (`HostShare`)
-        tokens = sum(host.serving_cores(b, ec.step_s(0, b)) for _, ec, b in batches)
-        requests = host.request_cores(requests_per_s)
-        self.sigma = host.stretch(self.k, tokens, requests)
-        self.sigma_up = host.stretch(self.k + 1, tokens, requests)
+        self.tokens = tokens = sum(host.serving_cores(b, ec.step_s(0, b)) for _, ec, b in batches)
+        self.requests = requests = host.request_cores(requests_per_s)
+        self.sigma = host.stretch(self.k, tokens, requests, 1.0, self.weight)
+        self.sigma_up = host.stretch(self.k + 1, tokens, requests, 1.0, self.weight + 1.0)
         self.running = [(iid, ec.decode_token_s(b) * self.sigma, b) for iid, ec, b in batches]
         self._harm_up: float | None = None
 
-    def sigma_on(self, v: InstanceView) -> float:
-        """The stretch `v`'s steps run at once it has work: one more busy engine if it has none now."""
-        return self.sigma if v.instance_id in self.busy else self.sigma_up
+    def prefill_sigma(self, v: InstanceView) -> float:
+        """The stretch a prefill on `v` runs at: with a prefill's weight, and one more busy engine if
+        `v` has no work now."""
+        w = self.host.prefill_weight
+        if w == 1.0:
+            return self.sigma if v.instance_id in self.busy else self.sigma_up
+        k, total = self.k, self.weight + w
+        if v.instance_id in self.busy:
+            total -= self.weights[v.instance_id]
+        else:
+            k += 1
+        return self.host.stretch(k, self.tokens, self.requests, w, total)
 
     def _delayed(self, delay_per_token: float, besides: str) -> float:
         """TPOT misses the sequences running on engines other than `besides` gain when each token of
