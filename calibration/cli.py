@@ -137,8 +137,8 @@ def cmd_calibrate_live(args) -> int:
     print(f"held-out relative error over {points} points of {len(fits)} instances: median {held:.1%}, p90 {held90:.1%}")
     if cm.shared_host is not None:
         h = cm.shared_host
-        print(f"shared host: {h.cores:g} cores, engines on {h.engine_cores:g}, a prefill's weight beside a decode "
-              f"{h.prefill_weight:g}; serving path "
+        print(f"shared host: {h.cores:g} cores, engines on {h.engine_cores:g} ({h.mixed_cores or h.engine_cores:g} "
+              f"while one prefills), a prefill's weight beside a decode {h.prefill_weight:g}; serving path "
               f"{h.token_cpu_s * 1e6:.0f} µs CPU per streamed token, {h.request_cpu_s * 1e3:.1f} ms per request, "
               f"{h.idle_cores:.2f} cores idle")
     print(f"wrote {out} ({len(fits)} instances of {fleet.model}, measured {measured_at}) in {seconds:.0f} s of probes")

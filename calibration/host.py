@@ -9,7 +9,8 @@ serving path takes beside them (`CostModel.shared_host`, the processor-sharing m
    Then the unevenness of that sharing (`prefill_weight`): in each round, a decode probe on one
    engine and a run of lone prefills on another, each alone and then overlapping. The share each
    got of the core is one over its stretch, and their ratio is the prefill's weight
-   (`fit_prefill_weight`).
+   (`fit_prefill_weight`); their sum is the cores the two shared (`mixed_cores`: decode steps
+   beside each other lose more of a core than a prefill beside a decode does).
 2. **Serving CPU.** The host's CPU time (/proc/stat, less this process's own) over three windows:
    idle, streams of long answers, and many short requests, all through the app. The idle rate is
    the stack's background (`idle_cores`). Each loaded window's CPU above it, less what the
@@ -200,11 +201,12 @@ async def measure_contention(engines: Sequence[str], post: Callable[[dict], Awai
 
 
 async def measure_prefill_weight(decoder: str, prefiller: str, post: Callable[[dict], Awaitable[dict]],
-                                 prompt: int, rounds: int, seed: int = 0) -> tuple[float, dict]:
-    """(`prefill_weight`, what was measured): each round times a decode probe on `decoder` and a
-    run of lone prefills of `prompt` tokens on `prefiller`, each alone, then each with the other
-    running from just before it to past its end (the overlapping one runs longer), paired within
-    the round so a slow spell lands on both."""
+                                 prompt: int, rounds: int, seed: int = 0,
+                                 batch: int = CONTENTION_BATCH) -> tuple[float, dict]:
+    """(`prefill_weight`, what was measured): each round times a decode probe of `batch` streams
+    on `decoder` and a run of lone prefills of `prompt` tokens on `prefiller`, each alone, then
+    each with the other running from just before it to past its end (the overlapping one runs
+    longer), paired within the round so a slow spell lands on both."""
     n = 0
 
     async def probe(body: dict) -> float:
@@ -213,7 +215,7 @@ async def measure_prefill_weight(decoder: str, prefiller: str, post: Callable[[d
         return float((await post({**body, "seed": seed * 1_000_003 + 700_000 + n}))["seconds"])
 
     def decode(tokens: int) -> Awaitable[float]:
-        return probe({"instance": decoder, "kind": "decode", "size": CONTENTION_BATCH, "tokens": tokens})
+        return probe({"instance": decoder, "kind": "decode", "size": batch, "tokens": tokens})
 
     def prefill(repeats: int) -> Awaitable[float]:
         return probe({"instance": prefiller, "kind": "prefill", "size": prompt, "repeats": repeats})
@@ -235,7 +237,8 @@ async def measure_prefill_weight(decoder: str, prefiller: str, post: Callable[[d
         decode_s.append(await beside(prefill(repeats), lambda: decode(CONTENTION_TOKENS)) / alone_d)
         prefill_s.append(await beside(decode(3 * CONTENTION_TOKENS), lambda: prefill(3)) / alone_p)
     weight = fit_prefill_weight(decode_s, prefill_s)
-    return weight, {"prompt_tokens": prompt, "decode_stretch": [round(x, 3) for x in decode_s],
+    shared = round(statistics.median(1 / d + 1 / p for d, p in zip(decode_s, prefill_s)), 2)
+    return weight, {"prompt_tokens": prompt, "batch": batch, "cores_shared": shared, "decode_stretch": [round(x, 3) for x in decode_s],
                     "prefill_stretch": [round(x, 3) for x in prefill_s], "prefill_weight": weight}
 
 
@@ -252,13 +255,14 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
     cores = float(os.cpu_count() or 1)
     engine_cores = fit_engine_cores(stretch_at, cores) if len(ids) > 1 else cores
     log(f"contention: stretch by busy engines {stretch_at} → engine_cores {engine_cores:g}")
-    weight, weight_report = 1.0, None
+    weight, weight_report, mixed = 1.0, None, None
     if len(instances) > 1:  # a prefill on one of the model's engines beside a decode on another
         own = sorted(instances, key=lambda iid: instances[iid] != "prefill")
         weight, weight_report = await measure_prefill_weight(
             own[1], own[0], post, min(WEIGHT_PROMPT, engine.max_batched_tokens), plan.contention_rounds, seed)
+        mixed = min(max(weight_report["cores_shared"], 0.05), cores)
         log(f"prefill beside decode: decode stretched {weight_report['decode_stretch']}, prefill "
-            f"{weight_report['prefill_stretch']} → prefill_weight {weight:g}")
+            f"{weight_report['prefill_stretch']} → prefill_weight {weight:g}, mixed_cores {mixed:g}")
 
     decode = sum(role == "decode" for role in instances.values()) or len(instances)
     idle_cpu, idle_wall, _ = await _cpu_of(lambda: asyncio.sleep(plan.idle_s))
@@ -279,7 +283,7 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
     token_cpu_s, request_cpu_s = fit_serving_cpu(windows)
     host = SharedHost(engine_cores=engine_cores, cores=cores, token_cpu_s=round(token_cpu_s, 7),
                       request_cpu_s=round(request_cpu_s, 6), idle_cores=round(min(idle_rate, cores), 3),
-                      prefill_weight=min(max(weight, 0.1), 10.0))
+                      prefill_weight=min(max(weight, 0.1), 10.0), mixed_cores=mixed)
     report = {"stretch_by_busy_engines": stretch_at, "prefill_beside_decode": weight_report,
               "idle_cores": round(idle_rate, 4), "windows": report_windows, "shared_host": host.model_dump(mode="json")}
     return host, report

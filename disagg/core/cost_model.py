@@ -150,12 +150,19 @@ class SharedHost(_Strict):
         description="the share of the engines' cores a step of prefill claims against a decode step's (1: "
                     "even). The operating system favours long compute-bound steps: beside a batch of "
                     "decodes, a 1,984-token prefill took about 62% of one core, not half")
+    mixed_cores: float | None = Field(
+        default=None, gt=0.0, le=4096.0,
+        description="processors the engines' steps share while one of them prefills (None: engine_cores). "
+                    "Decode steps beside each other lose some of the cores they share (two on one core got "
+                    "0.83 of it between them); a prefill beside a decode lost almost none (0.98)")
     measured_at: str | None = Field(default=None, description="when calibration measured these (ISO 8601, UTC)")
 
     @model_validator(mode="after")
     def _engines_fit_on_the_host(self) -> "SharedHost":
-        if self.engine_cores > self.cores:
-            raise ValueError(f"engine_cores ({self.engine_cores!r}) cannot exceed the host's cores ({self.cores!r})")
+        for name in ("engine_cores", "mixed_cores"):
+            value = getattr(self, name)
+            if value is not None and value > self.cores:
+                raise ValueError(f"{name} ({value!r}) cannot exceed the host's cores ({self.cores!r})")
         return self
 
     def stretch(self, busy: int, token_cores: float = 0.0, request_cores: float = 0.0,
@@ -165,11 +172,12 @@ class SharedHost(_Strict):
         unstretched rates) and serving the requests arriving (`request_cores`), beside the stack's
         background (`idle_cores`); 1 when nothing is busy.
 
-        With more busy engines than `engine_cores`, each gets the cores in proportion to its step's
+        With more busy engines than their cores, each gets the cores in proportion to its step's
         weight (`own`, of `weights` summed over the busy engines, the engine's own included; by
         default every weight is 1: `step_weight`). A heavy engine's share above one core is not
         handed on to the others: the light ones are priced as if it took it, a bound that is
-        exact on one core.
+        exact on one core. The cores shared are `engine_cores` among decode steps and move to
+        `mixed_cores` as the busy engines' weight above one each grows to one prefill's.
 
         The tokens come at the stretched rate — the engines that make them are slowed too — so their
         share is `token_cores / σ` and σ is the fixed point σ = b + a / σ (b the engines' sharing and
@@ -178,13 +186,21 @@ class SharedHost(_Strict):
         at 12.7 ms a token where they streamed at 8.1 (docs/results.md)."""
         if busy <= 0:
             return 1.0
-        if weights is None or busy <= self.engine_cores:
+        if weights is None:
             sharing = max(1.0, busy / self.engine_cores)
         else:
-            sharing = max(1.0, weights / (own * self.engine_cores))
+            cores = self._cores_shared(busy, weights)
+            sharing = 1.0 if busy <= cores else max(1.0, weights / (own * cores))
         b = sharing + (request_cores + self.idle_cores) / self.cores
         a = token_cores / self.cores
         return b if a == 0.0 else 0.5 * (b + math.sqrt(b * b + 4.0 * a))
+
+    def _cores_shared(self, busy: int, weights: float) -> float:
+        """The engines' cores with `busy` steps of total weight `weights` on them (`stretch`)."""
+        if self.mixed_cores is None or self.prefill_weight == 1.0:
+            return self.engine_cores
+        prefill = min(1.0, max(0.0, (weights - busy) / (self.prefill_weight - 1.0)))
+        return self.engine_cores + (self.mixed_cores - self.engine_cores) * prefill
 
     def step_weight(self, prefill_s: float, seconds: float) -> float:
         """The weight of a step of `seconds` (alone), `prefill_s` of it prefill work: `prefill_weight`

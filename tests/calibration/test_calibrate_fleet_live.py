@@ -111,6 +111,7 @@ def test_the_running_fleet_is_calibrated_per_instance_and_the_router_prices_with
         # a prefill beside a decode, on two of the engines: the weight the host shares them by
         beside = r["shared_host"]["prefill_beside_decode"]
         assert host.prefill_weight == beside["prefill_weight"] and 0.3 < host.prefill_weight < 5
+        assert host.mixed_cores == min(beside["cores_shared"], host.cores) and 0.3 < host.mixed_cores
         assert len(beside["decode_stretch"]) == len(beside["prefill_stretch"]) >= 2
         stretch = r["shared_host"]["stretch_by_busy_engines"]
         assert set(stretch) == {str(k) for k in range(1, len(before["instances"]) + 1)}

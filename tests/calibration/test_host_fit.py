@@ -121,6 +121,7 @@ def test_the_prefill_weight_probes_overlap_and_recover_the_weight_the_host_share
     assert weight == pytest.approx(1.8)
     assert report["decode_stretch"] == pytest.approx([2.8, 2.8], abs=1e-3)  # rounded in the report
     assert report["prefill_stretch"] == pytest.approx([2.8 / 1.8] * 2, abs=1e-3)
+    assert report["cores_shared"] == pytest.approx(1.0)  # the stand-in loses none of its core
     assert {b["instance"] for b in bodies if b["kind"] == "prefill"} == {"prefill-0"}
     assert all(b["size"] == 1024 for b in bodies if b["kind"] == "prefill")
     # the background prefills outlast the decode probe: about 3× its time alone, within the probe's limit

@@ -480,3 +480,15 @@ def test_slo_goodput_prices_a_prefill_at_its_weight_and_a_decode_beside_a_prefil
     idle_p = view("p", Role.PREFILL)
     load = _HostLoad(cm, UNEVEN, [idle_p], [d], spread=0.1, floor=0.01, requests_per_s=0.0)
     assert load.sigma == 1.0 and load.prefill_sigma(idle_p) == pytest.approx(1.5)  # it would join the decodes
+
+
+def test_the_cores_shared_move_from_decodes_to_a_prefills_as_its_weight_joins():
+    host = SharedHost(engine_cores=0.8, cores=2, prefill_weight=2.0, mixed_cores=1.0)
+    assert host.stretch(2, own=1.0, weights=2.0) == pytest.approx(2 / 0.8)  # two decode steps lose a fifth
+    assert host.stretch(2, own=1.0, weights=3.0) == pytest.approx(3.0)  # beside a prefill, none
+    assert host.stretch(2, own=2.0, weights=3.0) == pytest.approx(1.5)
+    assert host.stretch(2, own=1.0, weights=2.5) == pytest.approx(2.5 / 0.9)  # a step half prefill: between
+    assert SharedHost(engine_cores=0.8, cores=2, prefill_weight=2.0).stretch(2, own=1.0, weights=3.0) == \
+        pytest.approx(3 / 0.8)  # unmeasured: the decodes' cores
+    with pytest.raises(ValueError, match="mixed_cores"):
+        SharedHost(engine_cores=1, cores=2, mixed_cores=3)
