@@ -11,10 +11,10 @@ Each run is what `disagg calibrate --live` does (`calibration.live.calibrate_fle
 seconds of probing, and the held-out relative error (median and p90 over every held-out point of
 every instance) of two pricings of the same samples: `priced`, the constants `fit_fleet` gives
 each instance (the fit shared by the instances of typical speed), and `own`, each instance's
-own fit alone (what `fit_fleet` gave before instances shared a fit). With `--compare FILE` (a cost model, e.g. from `disagg calibrate
---config`, measured on engines started apart from the app), the same held-out samples are also
-predicted by that file's constants, so the two kinds of calibration are judged on one set of
-measurements. Prints medians and ranges over the runs.
+own fit alone (what `fit_fleet` gave before instances shared a fit). With `--compare FILE` (a
+cost model, e.g. from `disagg calibrate --config`, measured on engines started apart from the
+app), the same held-out samples are also predicted by that file's constants, so the two kinds of
+calibration are judged on one set of measurements. Prints medians and ranges over the runs.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ def cmd_calibrate(args) -> int:
 def cmd_calibrate_live(args) -> int:
     """`disagg calibrate --live`: every running instance of one model, through the app (`calibration.live`)."""
     import asyncio
-    import statistics
     from datetime import datetime, timezone
 
     from calibration.fit import (

@@ -238,7 +238,8 @@ async def measure_prefill_weight(decoder: str, prefiller: str, post: Callable[[d
         prefill_s.append(await beside(decode(3 * CONTENTION_TOKENS), lambda: prefill(3)) / alone_p)
     weight = fit_prefill_weight(decode_s, prefill_s)
     shared = round(statistics.median(1 / d + 1 / p for d, p in zip(decode_s, prefill_s)), 2)
-    return weight, {"prompt_tokens": prompt, "batch": batch, "cores_shared": shared, "decode_stretch": [round(x, 3) for x in decode_s],
+    return weight, {"prompt_tokens": prompt, "batch": batch, "cores_shared": shared,
+                    "decode_stretch": [round(x, 3) for x in decode_s],
                     "prefill_stretch": [round(x, 3) for x in prefill_s], "prefill_weight": weight}
 
 
@@ -256,10 +257,11 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
     engine_cores = fit_engine_cores(stretch_at, cores) if len(ids) > 1 else cores
     log(f"contention: stretch by busy engines {stretch_at} → engine_cores {engine_cores:g}")
     weight, weight_report, mixed = 1.0, None, None
-    if len(instances) > 1:  # a prefill on one of the model's engines beside a decode on another
-        own = sorted(instances, key=lambda iid: instances[iid] != "prefill")
+    if len(ids) > 1:  # a prefill on one of the model's engines (a prefill one first) beside a decode on another
+        prefiller = min(instances, key=lambda iid: (instances[iid] != "prefill", iid))
+        decoder = next(iid for iid in sorted(ids, key=lambda iid: (iid not in instances, iid)) if iid != prefiller)
         weight, weight_report = await measure_prefill_weight(
-            own[1], own[0], post, min(WEIGHT_PROMPT, engine.max_batched_tokens), plan.contention_rounds, seed)
+            decoder, prefiller, post, min(WEIGHT_PROMPT, engine.max_batched_tokens), plan.contention_rounds, seed)
         mixed = min(max(weight_report["cores_shared"], 0.05), cores)
         log(f"prefill beside decode: decode stretched {weight_report['decode_stretch']}, prefill "
             f"{weight_report['prefill_stretch']} → prefill_weight {weight:g}, mixed_cores {mixed:g}")
