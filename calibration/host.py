@@ -10,7 +10,7 @@ serving path takes beside them (`CostModel.shared_host`, the processor-sharing m
    engine and a run of lone prefills on another, each alone and then overlapping. The share each
    got of the core is one over its stretch, and their ratio is the prefill's weight
    (`fit_prefill_weight`); their sum is the cores the two shared (`mixed_cores`: decode steps
-   beside each other lose more of a core than a prefill beside a decode does).
+   beside each other can lose more of a core than a prefill beside a decode does).
 2. **Serving CPU.** The host's CPU time (/proc/stat, less this process's own) over three windows:
    idle, streams of long answers, and many short requests, all through the app. The idle rate is
    the stack's background (`idle_cores`). Each loaded window's CPU above it, less what the

@@ -153,8 +153,8 @@ class SharedHost(_Strict):
     mixed_cores: float | None = Field(
         default=None, gt=0.0, le=4096.0,
         description="processors the engines' steps share while one of them prefills (None: engine_cores). "
-                    "Decode steps beside each other lose some of the cores they share (two on one core got "
-                    "0.83 of it between them); a prefill beside a decode lost almost none (0.98)")
+                    "Decode steps beside each other lost up to 17% of their core in some calibrations; a "
+                    "prefill beside a decode lost at most 8% in all")
     measured_at: str | None = Field(default=None, description="when calibration measured these (ISO 8601, UTC)")
 
     @model_validator(mode="after")
