@@ -24,8 +24,9 @@ What is modelled (vLLM v1 scheduler semantics):
 
 Engines that share a host (`CostModel.shared_host`) are given one `HostShare`: each step is then
 stretched by the host's processor sharing at the moment it is planned — how many of the host's
-engines are busy, the serving path's CPU for the tokens their steps stream, and its CPU per request
-at the rate requests arrive (`HostShare.arrive`). The stretch is fixed for the step, or the macro
+engines are busy and what their steps weigh (a prefill claims more of a shared core than a decode
+step: `SharedHost.step_weight`), the serving path's CPU for the tokens their steps stream, and its
+CPU per request at the rate requests arrive (`HostShare.arrive`). The stretch is fixed for the step, or the macro
 step, it is planned for; whoever drives the engines cuts macro steps short when the number of busy
 engines changes (the simulator does).
 
