@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from calibration.fit import fit_engine, fit_fleet, held_out_error
+from calibration.fit import fit_fleet, held_out_error
 from calibration.live import calibrate_fleet
 from disagg.bench.script import write_result
 from disagg.core.cost_model import CostModel
@@ -40,12 +40,9 @@ def one_run(url: str, quick: bool, pause_s: float, seed: int, compare: CostModel
     t0 = time.monotonic()
     fleet, samples, probing_s = asyncio.run(calibrate_fleet(url, None, quick, pause_s, 600.0, seed))
     cm, fits = fit_fleet(samples, fleet.cost_model, "bench", fleet.source, 0.0, "bench")
-    e = fleet.cost_model.engine
     out = {"probing_s": probing_s, "wall_s": time.monotonic() - t0, "instances": {}}
     for iid, f in fits.items():
-        s = samples[iid]
-        own = fit_engine(s.prefill, s.decode, s.kv_capacity_tokens, e.block_size, e.max_num_seqs,
-                         e.max_batched_tokens)[0]
+        s, own = samples[iid], f.own
         row = {"role": fleet.instances[iid], "speed": f.speed, "shared": f.shared, "priced": f.held_out,
                "own": held_out_error(own, s.held_out_prefill, s.held_out_decode),
                # what each pricing says of the longest prompt probed and of the biggest decode batch

@@ -290,7 +290,8 @@ class InstanceSamples:
 @dataclass(frozen=True, slots=True)
 class InstanceFit:
     engine: EngineConstants  # what the instance is priced with: the shared fit, or its own
-    prefill: PrefillFit  # the instance's own fit, whichever it is priced with
+    own: EngineConstants  # the instance's own fit, whichever it is priced with, and its reports:
+    prefill: PrefillFit
     decode: LinearFit
     held_out: dict  # of `engine`
     speed: float  # its samples' time over the shared fit's prediction (1: as fast as the typical instance)
@@ -347,12 +348,11 @@ def fit_fleet(samples: dict[str, InstanceSamples], base: CostModel, name: str, m
         speed = {iid: speed_of(pool, s.prefill, s.decode) for iid, s in samples.items()}
     fits: dict[str, InstanceFit] = {}
     for iid, s in samples.items():
-        engine, prefill, decode = own[iid]
+        alone, prefill, decode = own[iid]
         shared = iid in alike
-        if shared:
-            engine = pool.model_copy(update={"kv_capacity_tokens": s.kv_capacity_tokens})
-        fits[iid] = InstanceFit(engine, prefill, decode, held_out_error(engine, s.held_out_prefill, s.held_out_decode),
-                                speed[iid], shared)
+        engine = pool.model_copy(update={"kv_capacity_tokens": s.kv_capacity_tokens}) if shared else alone
+        fits[iid] = InstanceFit(engine, alone, prefill, decode,
+                                held_out_error(engine, s.held_out_prefill, s.held_out_decode), speed[iid], shared)
     every = list(samples.values())
     biggest = int(max(x.x for s in every for x in s.decode))
     handoff = base.handoff_overhead_s if handoff_overhead_s is None else handoff_overhead_s

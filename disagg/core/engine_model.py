@@ -136,6 +136,13 @@ class RequestRate:
         return RequestRate(self.window_s, self._rate, self._at)
 
 
+def prefill_part_s(c: EngineConstants, seconds: float, decode_seqs: int) -> float:
+    """The prefill work in a step of `seconds` (alone) beside `decode_seqs` decoding sequences, as
+    its weight on a shared host counts it (`SharedHost.step_weight`): what the step takes beyond
+    the decode step it rides on, or all of it when nothing decodes."""
+    return seconds - c.step_s(0, decode_seqs) if decode_seqs else seconds
+
+
 _WEIGHT_CHANGE = 0.05  # a busy engine's step weight moving by more re-plans the others (`HostShare.busy_changes`)
 
 
@@ -401,7 +408,7 @@ class EngineModel:
                     pairs += attention_pairs(c, job.computed)
             self._dur = self.c.step_s(tokens, n, pairs) + self.c.prefill_overhead_s * finishing
             if self.share is not None:
-                prefill = self._dur - self.c.step_s(0, n) if n else self._dur  # beside decodes, what the chunks add
+                prefill = prefill_part_s(self.c, self._dur, n)
                 self._dur *= self.share.step(self.instance_id, n + finishing, self._dur, now, prefill)
         elif n:
             while self._fin and self._fin[0][3].epoch != self._fin[0][2]:

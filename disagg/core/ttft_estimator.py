@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from disagg.core.cost_model import EngineConstants, SharedHost
-from disagg.core.engine_model import EngineModel, HostShare, Job, JobState, RequestRate
+from disagg.core.engine_model import EngineModel, HostShare, Job, JobState, RequestRate, prefill_part_s
 
 DEFAULT_MAX_STEPS = 100_000
 
@@ -433,10 +433,8 @@ def _share_of(host: SharedHost, peers: list[tuple[EngineConstants, InstanceSnaps
         if snap.in_flight:
             decoding = sum(not r.prefilling for r in snap.running)
             chunk = min(_prefill_left(snap), max(0, c.max_batched_tokens - decoding))
-            step = c.step_s(chunk, decoding)
-            # its next step's prefill, as the engine model weighs it (beside decodes, what the chunk adds)
-            prefill = 0.0 if not chunk else step - c.step_s(0, decoding) if decoding else step
-            share.step(f"peer-{k}", decoding, step, now, prefill)
+            step = c.step_s(chunk, decoding)  # its next step: its prefill weighs its share of the host
+            share.step(f"peer-{k}", decoding, step, now, prefill_part_s(c, step, decoding) if chunk else 0.0)
             busy.append((f"peer-{k}", seconds))
     if busy:
         share.step(_ESTIMATED, 0, 1.0, now, 1.0)  # the estimated instance prefills beside them

@@ -78,6 +78,8 @@ def test_an_instance_off_the_common_speed_gets_its_own_fit_and_does_not_bend_the
     fleet = {f"decode-{k}": instance(FAST, seed=k) for k in range(3)} | {"decode-odd": instance(SLOW, seed=9)}
     cm, fits = fit_fleet(fleet, BASE, "live", "tiny:tiny", 0.0, "t")
     assert [iid for iid, f in fits.items() if not f.shared] == ["decode-odd"]
+    assert fits["decode-odd"].engine == fits["decode-odd"].own  # priced by its own fit, which is kept too
+    assert all(f.own != f.engine for iid, f in fits.items() if f.shared)
     assert fits["decode-odd"].speed > 1 + SPEED_MATERIAL
     odd = cm.for_instance("decode-odd")
     assert odd.prefill_token_s == pytest.approx(SLOW["tau_pre"], rel=0.1)

@@ -532,7 +532,7 @@ class _HostLoad:
         """The stretch a prefill on `v` runs at: with a prefill's weight, and one more busy engine if
         `v` has no work now."""
         w = self.host.prefill_weight
-        if w == 1.0:
+        if w == 1.0:  # even weights: the stretches already priced
             return self.sigma if v.instance_id in self.busy else self.sigma_up
         k, total = self.k, self.weight + w
         if v.instance_id in self.busy:
