@@ -26,7 +26,7 @@ import json
 from dataclasses import asdict
 from typing import Mapping
 
-from disagg.core.cost_model import CostModelError
+from disagg.core.cost_model import CostModel, CostModelError, SharedHost
 from disagg.core.ledger import Ledger
 from disagg.core.policies import PolicyError, build_policy, known_policies
 from disagg.core.prefix_index import prompt_block_hashes
@@ -43,11 +43,25 @@ PROBE_MAX_REPEATS = 16
 PROBE_TIMEOUT_S = 60.0
 
 
+def one_host(cost_models: Mapping[str, CostModel]) -> SharedHost | None:
+    """The host the models' engines share, pooled from each model's measurement of it; None when
+    every engine owns its device. CostModelError when two describe hosts of different sizes: the
+    models of one app run on one host, and pricing one with another's cores would be wrong."""
+    hosts = {name: cm.shared_host for name, cm in cost_models.items() if cm.shared_host is not None}
+    try:
+        return SharedHost.pooled(list(hosts.values())) if hosts else None
+    except ValueError:
+        sizes = ", ".join(f"{name}: {h.cores:g}" for name, h in hosts.items())
+        raise CostModelError(f"shared_host.cores: the models of one app share one host, these cost models "
+                             f"describe hosts of different sizes ({sizes} cores)") from None
+
+
 class Admin:
     def __init__(self, models: Mapping[str, ServedModel], registry: InstanceRegistry, ledger: Ledger,
                  counters: Counters, alias: str | None, lam: float, replica_index: int = 0,
                  cost_model_files: CostModelFiles = CostModelFiles()) -> None:
         self.models = models
+        one_host({name: m.cost_model for name, m in models.items()})  # one host, or say which file disagrees
         self.cost_model_files = cost_model_files  # what set_cost_model may load (default: profile names only)
         self.replica_index = replica_index  # policies are built for this router replica (`Policy.for_replica`)
         self.registry = registry
@@ -188,6 +202,7 @@ class Admin:
             if cm.calibrated and cm.model and cm.model != m.cfg.model.source:
                 raise CostModelError(f"{source} was calibrated for model {cm.model!r}; this app serves "
                                      f"{m.cfg.model.source!r}")
+            one_host({**{n: o.cost_model for n, o in self.models.items()}, m.name: cm})
             policy = build_policy(m.policy.name, cm, m.policy_params).for_replica(self.replica_index)
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise ApiError('body must be {"cost_model": <profile name or path>}', param="cost_model") from None

@@ -43,9 +43,11 @@ import contextvars
 import logging
 import time
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from disagg.core.cost_model import SharedHost
 from disagg.core.engine_model import RequestRate
 from disagg.core.latency_routing import ModelInstance
 from disagg.core.ledger import Ledger, admission_work
@@ -86,6 +88,13 @@ class AliasChoice:
     choice: Choice
     predicted: int  # output tokens predicted for the request
     decision_us: float
+
+
+@functools.lru_cache(maxsize=8)
+def _one_host(hosts: tuple[SharedHost, ...]) -> SharedHost | None:
+    """The host the alias's models share, from each model's measurement of it (`SharedHost.pooled`);
+    None when every engine owns its device."""
+    return SharedHost.pooled(list(hosts)) if hosts else None
 
 
 def _no_capacity(e: NoCapacity) -> ApiError:
@@ -220,7 +229,7 @@ class Dispatcher:
                 snap = instance_snapshot(self._snapshot_facts(inst), c, prefill_only=inst.role is Role.PREFILL)
                 candidates.append((ModelInstance(inst.instance_id, m.name, c, m.prices), snap))
         now = time.monotonic()
-        host = next((m.cost_model.shared_host for m in models if m.cost_model.shared_host is not None), None)
+        host = _one_host(tuple(m.cost_model.shared_host for m in models if m.cost_model.shared_host is not None))
         if host is not None:  # engines on one host: each estimate runs at the stretch the others' load gives
             shares = peer_shares(host, [(inst.constants, snap) for inst, snap in candidates], self.requests, now)
             candidates = [(dataclasses.replace(inst, host=share), snap)

@@ -46,6 +46,7 @@ Absent (one GPU per engine), the stretch is 1 and every formula above holds as i
 from __future__ import annotations
 
 import math
+import statistics
 from functools import cached_property
 from pathlib import Path
 
@@ -208,6 +209,31 @@ class SharedHost(_Strict):
         if self.prefill_weight == 1.0 or prefill_s <= 0.0 or seconds <= 0.0:
             return 1.0
         return 1.0 + (self.prefill_weight - 1.0) * min(1.0, prefill_s / seconds)
+
+    @classmethod
+    def pooled(cls, hosts: "list[SharedHost]") -> "SharedHost":
+        """One host's terms from several measurements of it (each served model's calibration measures
+        the host again): the median of each term, the latest `measured_at`. Two calibrations of one
+        host 20 s apart measured a prefill weight of 1.05 and 1.89; whichever model is listed first
+        is no better a judge of the host than the other. A host without `mixed_cores` counts its
+        `engine_cores`. ValueError when they describe hosts of different sizes."""
+        if not hosts:
+            raise ValueError("pooling a shared host needs at least one measurement of it")
+        if len({h.cores for h in hosts}) > 1:
+            raise ValueError(f"these describe different hosts: {sorted({h.cores for h in hosts})} cores")
+        if len(hosts) == 1:
+            return hosts[0]
+
+        def median(term) -> float:
+            return statistics.median(term(h) for h in hosts)
+
+        mixed = any(h.mixed_cores is not None for h in hosts)
+        stamps = [h.measured_at for h in hosts if h.measured_at is not None]
+        return cls(engine_cores=median(lambda h: h.engine_cores), cores=hosts[0].cores,
+                   token_cpu_s=median(lambda h: h.token_cpu_s), request_cpu_s=median(lambda h: h.request_cpu_s),
+                   idle_cores=median(lambda h: h.idle_cores), prefill_weight=median(lambda h: h.prefill_weight),
+                   mixed_cores=median(lambda h: h.mixed_cores or h.engine_cores) if mixed else None,
+                   measured_at=max(stamps) if stamps else None)
 
     def serving_cores(self, tokens: float, seconds: float) -> float:
         """Processors the serving path needs to keep up with `tokens` streamed every `seconds` (an

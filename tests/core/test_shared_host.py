@@ -492,3 +492,27 @@ def test_the_cores_shared_move_from_decodes_to_a_prefills_as_its_weight_joins():
         pytest.approx(3 / 0.8)  # unmeasured: the decodes' cores
     with pytest.raises(ValueError, match="mixed_cores"):
         SharedHost(engine_cores=1, cores=2, mixed_cores=3)
+
+
+def test_several_measurements_of_one_host_pool_to_the_median_of_each_term():
+    a = SharedHost(engine_cores=1.19, cores=2.0, token_cpu_s=182e-6, prefill_weight=1.05, mixed_cores=1.09,
+                   measured_at="2026-12-06T09:18:24+00:00")
+    b = SharedHost(engine_cores=0.97, cores=2.0, token_cpu_s=573e-6, prefill_weight=1.89, mixed_cores=0.94,
+                   measured_at="2026-12-06T09:18:46+00:00")
+    c = SharedHost(engine_cores=1.05, cores=2.0, token_cpu_s=300e-6, prefill_weight=1.5)  # no mixed_cores
+    two = SharedHost.pooled([a, b])
+    assert two.engine_cores == pytest.approx(1.08) and two.prefill_weight == pytest.approx(1.47)
+    assert two.token_cpu_s == pytest.approx(377.5e-6) and two.mixed_cores == pytest.approx(1.015)
+    assert two.measured_at == b.measured_at  # the latest
+    three = SharedHost.pooled([a, b, c])  # the median, not the mean: one odd calibration moves nothing
+    assert three.engine_cores == 1.05 and three.prefill_weight == 1.5 and three.token_cpu_s == 300e-6
+    assert three.mixed_cores == 1.05  # c's host shares its engine_cores while a prefill runs
+    assert SharedHost.pooled([a]) is a
+    assert SharedHost.pooled([c, c]).mixed_cores is None
+
+
+def test_measurements_of_hosts_of_different_sizes_do_not_pool():
+    with pytest.raises(ValueError, match="different hosts"):
+        SharedHost.pooled([SharedHost(engine_cores=1.0, cores=2.0), SharedHost(engine_cores=1.0, cores=4.0)])
+    with pytest.raises(ValueError, match="at least one"):
+        SharedHost.pooled([])

@@ -134,3 +134,51 @@ def test_requests_in_flight_raise_the_estimate_of_their_instance():
     # a huge λ: the cheap tiny model both times; its estimated TTFT now includes the 6 decodes in flight
     assert before["model"] == after["model"] == "tiny-qwen2"
     assert float(after["ttft"]) > float(before["ttft"])
+
+
+H1 = {"engine_cores": 1.19, "cores": 2.0, "token_cpu_s": 1.8e-4, "prefill_weight": 1.05, "mixed_cores": 1.09}
+H2 = {"engine_cores": 0.97, "cores": 2.0, "token_cpu_s": 5.7e-4, "prefill_weight": 1.89, "mixed_cores": 0.94}
+
+
+def _alias_estimate_beside_busy_decodes(tiny_host: dict, small_host: dict) -> float:
+    """The alias's TTFT estimate of the tiny engine (a huge λ picks it) with 6 of its decodes in
+    flight, the tiny and small models' cost models carrying the given host measurements."""
+    args = _args()
+    args["models"][0]["cost_model"]["shared_host"] = tiny_host
+    args["models"][1]["cost_model"]["shared_host"] = small_host
+
+    async def run():
+        hold = asyncio.Event()
+        tiny, small = _Pool("both", ["t1"], hold), _Pool("both", ["s1"], hold)
+        r = await _router(args, {"tiny-qwen2": {"both": tiny}, "small-qwen2": {"both": small}})
+        busy = [asyncio.create_task(_complete(r, name, LONG, max_tokens=64))
+                for name in ("tiny-qwen2", "small-qwen2") for _ in range(3)]
+        await asyncio.sleep(0.05)
+        _, rt = await _complete(r, "auto", LONG, {"X-TTFT-Limit-Ms": "5000", "X-Route-Lambda": "1e9"},
+                                max_tokens=1)
+        hold.set()
+        await asyncio.gather(*busy)
+        assert rt["model"] == "tiny-qwen2"
+        return float(rt["ttft"])
+    return asyncio.run(run())
+
+
+def test_the_alias_prices_the_host_from_every_models_measurement_of_it():
+    from disagg.core.cost_model import SharedHost
+
+    pooled = SharedHost.pooled([SharedHost(**H1), SharedHost(**H2)]).model_dump(exclude={"measured_at"})
+    both = _alias_estimate_beside_busy_decodes(H1, H2)
+    assert both == pytest.approx(_alias_estimate_beside_busy_decodes(pooled, pooled), rel=1e-6)
+    # not whichever model is listed first: its measurement alone prices the engines otherwise
+    assert both != pytest.approx(_alias_estimate_beside_busy_decodes(H1, H1), rel=1e-3)
+
+
+def test_models_whose_cost_models_describe_hosts_of_different_sizes_are_refused_naming_the_field():
+    from disagg.core.cost_model import CostModelError
+
+    args = _args()
+    args["models"][0]["cost_model"]["shared_host"] = H1
+    args["models"][1]["cost_model"]["shared_host"] = {**H2, "cores": 4.0}
+    with pytest.raises(CostModelError, match=r"shared_host\.cores.*tiny-qwen2: 2, small-qwen2: 4"):
+        asyncio.run(_router(args, {"tiny-qwen2": {"both": _Pool("both", ["t1"])},
+                                   "small-qwen2": {"both": _Pool("both", ["s1"])}}))
