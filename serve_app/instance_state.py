@@ -15,8 +15,9 @@ where the estimate sits beside the measured TTFT):
   `engine.stream_interval_max_s`, 80 ms), so it lags by at most that;
   its remaining output is the predicted length minus what it produced (at least one token):
   a request that will stop early (eos) is counted until it does;
-- the snapshot is taken as if at a step boundary `now`; the step in flight is not known
-  (the estimator's documented bias: at most one step);
+- the step in flight is not known: the snapshot is `mid_step` when the instance has work, its
+  step taken as half done at `now` (the average remainder a request arriving at a random moment
+  waits for; off by at most half a step);
 - KV use is implied by the requests (prompt + decoded tokens each), not by the poll, which lags
   50 ms and cannot be split per request; a request whose KV would exceed the polled capacity
   (the engine must have preempted or stopped it) is left out rather than failing the estimate;
@@ -72,4 +73,5 @@ def instance_snapshot(flights: Sequence[FlightFacts], constants: EngineConstants
             continue
         room -= blocks
         running.append(RunningRequest(f.prompt_tokens, decoded, max(1, f.predicted_output_tokens - decoded)))
-    return InstanceSnapshot(tuple(waiting), tuple(running))
+    # the router sees no step boundaries: whatever runs there is taken as half a step along
+    return InstanceSnapshot(tuple(waiting), tuple(running), mid_step=bool(waiting or running))

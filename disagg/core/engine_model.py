@@ -341,6 +341,14 @@ class EngineModel:
                 return self._start + keep * self._dur
         return None
 
+    def mid_step(self, now: float, done: float = 0.5) -> None:
+        """The engine is `done` of the way through the step its state gives at `now`: that step is
+        planned as begun `done` of a step before `now`, so work arriving now waits the rest of it.
+        For a state read at a random moment of the engine's steps (a router's view), where the
+        step's remainder is half a step on average."""
+        if not self.busy and self._plan(now) is not None:
+            self._start = now - done * self._dur
+
     @property
     def step_end(self) -> float:
         return self._start + self._k * self._dur

@@ -33,12 +33,14 @@ What the estimate measures (`TtftEstimate`), all from `now`:
   per-prefill overhead and the first token; for a `remote_kv` query, the KV transfer plus the
   decode step that yields its first token. A preemption after admission (recompute) lands here too.
 
-Timing assumption: a snapshot describes the instance at a step boundary at `now` — no step is in
-flight, and the engine's next step is planned at `now` with the new query already queued. A live
-router does not see step boundaries: treating `now` as one under-estimates the wait by at most the
-remainder of the step in flight (an arrival cuts a macro step of decodes at the step in flight, so
-that is one decode step, or one prefill step). `snapshot_of` reads an engine model at a boundary,
-which is how the tests check that estimator and simulator agree exactly.
+Timing: by default a snapshot describes the instance at a step boundary at `now` — no step is in
+flight, and the engine's next step is planned at `now` with the new query already queued.
+`snapshot_of` reads an engine model at a boundary, which is how the tests check that estimator and
+simulator agree exactly. A live router does not see step boundaries: its snapshots are `mid_step`,
+and the step the state gives (an arrival cuts a macro step of decodes at the step in flight: one
+decode step, or one prefill step) is taken as half done at `now` — the remainder a query arriving
+at a random moment waits for, which a boundary would leave out (on a busy CPU engine, a third of a
+short prompt's TTFT).
 
 The new query's own output length cannot change its first token (it only joins the decode batch
 *with* its first token), so it is not an input: the model gives it one output token. Its first
@@ -164,6 +166,9 @@ class InstanceSnapshot:
     waiting: tuple[QueuedRequest, ...] = ()
     running: tuple[RunningRequest, ...] = ()
     transfers: tuple[KvTransfer, ...] = ()
+    # read at a random moment of the engine's steps (a router's view), not at a step boundary: the
+    # step the state gives is taken as half done (`EngineModel.mid_step`)
+    mid_step: bool = False
 
     @property
     def in_flight(self) -> int:
@@ -278,6 +283,8 @@ def _build(c: EngineConstants, snap: InstanceSnapshot, now: float,
                          f"({c.kv_capacity_tokens} tokens / block_size {bs})")
     e.free_blocks = e.total_blocks - used
     heapq.heapify(events)
+    if snap.mid_step:
+        e.mid_step(now)
     return e, events
 
 

@@ -102,7 +102,7 @@ def poll_snapshot(e: EngineModel, predicted: Callable[[Job], int], t: float,
     for j in e.decoding.values():
         gen = j.gbase + done
         running.append(RunningRequest(j.prompt, gen, remaining(predicted(j), gen), kv_tokens=j.base + done))
-    return InstanceSnapshot(waiting, tuple(running))
+    return InstanceSnapshot(waiting, tuple(running), mid_step=e.busy)  # a poll lands within a step
 
 
 class RouterSnapshots:
@@ -141,7 +141,7 @@ class RouterSnapshots:
         snap = self._polled[i]
         if not self._sent[i]:
             return snap
-        return InstanceSnapshot(snap.waiting + tuple(self._sent[i]), snap.running)
+        return InstanceSnapshot(snap.waiting + tuple(self._sent[i]), snap.running, mid_step=True)
 
 
 # --- the run -------------------------------------------------------------------------------------

@@ -454,3 +454,19 @@ def test_snapshot_of_refuses_a_busy_engine_and_missing_transfers():
         snapshot_of(d)
     snap = snapshot_of(d, [(moving[0], 0.01)])
     assert snap.transfers == (KvTransfer(100, 0.01, output_tokens=5),)
+
+
+def test_a_snapshot_read_mid_step_waits_the_rest_of_the_step_in_flight():
+    c = consts()
+    decoding = (RunningRequest(100, 5, 40), RunningRequest(80, 3, 40))
+    at_boundary = estimate_ttft(c, InstanceSnapshot(running=decoding), 64, now=2.0)
+    mid = estimate_ttft(c, InstanceSnapshot(running=decoding, mid_step=True), 64, now=2.0)
+    half_a_decode_step = c.step_s(0, 2) / 2  # the step in flight decodes the two running requests
+    assert mid.wait_s == pytest.approx(at_boundary.wait_s + half_a_decode_step)
+    assert mid.ttft_s == pytest.approx(at_boundary.ttft_s + half_a_decode_step)
+    # a queued prompt is in the step in flight, half prefilled: the new query waits the rest of it
+    queued = InstanceSnapshot(waiting=(QueuedRequest(300, 10),), mid_step=True)
+    first = c.step_s(300, 0) + c.prefill_overhead_s
+    assert estimate_ttft(c, queued, 64).wait_s == pytest.approx(first / 2)
+    # an idle instance has no step in flight
+    assert estimate_ttft(c, InstanceSnapshot(mid_step=True), 64) == estimate_ttft(c, InstanceSnapshot(), 64)

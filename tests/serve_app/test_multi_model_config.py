@@ -175,13 +175,15 @@ def test_snapshot_queues_what_has_no_first_token_and_decodes_the_rest():
                               FlightFacts(30, 5, True, 9)], c)
     assert snap == InstanceSnapshot(
         waiting=(QueuedRequest(50, 8),),
-        running=(RunningRequest(100, 10, 30), RunningRequest(30, 9, 1)))  # past its prediction: one more
+        running=(RunningRequest(100, 10, 30), RunningRequest(30, 9, 1)),  # past its prediction: one more
+        mid_step=True)  # the router cannot see the engine's step boundaries
+    assert instance_snapshot([], c) == InstanceSnapshot()  # nothing there: no step in flight
 
 
 def test_snapshot_of_a_prefill_instance_counts_only_unfinished_prefills():
     c = load_profile("cpu-tiny").engine
     snap = instance_snapshot([FlightFacts(100, 40, True, 3), FlightFacts(60, 8, False)], c, prefill_only=True)
-    assert snap == InstanceSnapshot(waiting=(QueuedRequest(60, 1, prefill_only=True),))
+    assert snap == InstanceSnapshot(waiting=(QueuedRequest(60, 1, prefill_only=True),), mid_step=True)
 
 
 def test_snapshot_of_a_prefill_instance_keeps_the_decodes_it_hosts():
@@ -190,7 +192,7 @@ def test_snapshot_of_a_prefill_instance_keeps_the_decodes_it_hosts():
                FlightFacts(60, 8, False)]
     snap = instance_snapshot(flights, c, prefill_only=True)
     assert snap == InstanceSnapshot(waiting=(QueuedRequest(80, 20), QueuedRequest(60, 1, prefill_only=True)),
-                                    running=(RunningRequest(100, 3, 37),))
+                                    running=(RunningRequest(100, 3, 37),), mid_step=True)
     # a hosted decode shares the instance's steps: a prefill queued behind it waits longer
     alone = instance_snapshot(flights[2:], c, prefill_only=True)
     assert estimate_ttft(c, snap, 500).ttft_s > estimate_ttft(c, alone, 500).ttft_s
