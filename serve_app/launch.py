@@ -37,6 +37,7 @@ from pathlib import Path
 
 import yaml
 
+from disagg.cli.common import live_fit_argv
 from serve_app.config import ConfigError, load_serve_config
 from serve_app.engine import ENGINE_PROCESS_MARKERS, RUNTIME_DIR_VAR
 from serve_app.tiny_model import resolve_model
@@ -236,9 +237,7 @@ class LocalStack:
                                    "router may load the fitted file from)")
             out = Path(_env()["DISAGG_RUN_DIR"]) / cfg.router.cost_model_dir / f"host-{cfg.model.served_name}.yaml"
             out.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "disagg.cli", "calibrate", "--live", "--url", self.base_url, "--quick",
-                   "--url-requests", "8", "--model", cfg.model.served_name, "--out", str(out), "--apply",
-                   *(["--host", "--settle-s", "60"] if cfg.engine.device == "cpu" else [])]  # GPUs own their devices
+            cmd = live_fit_argv(self.base_url, cfg.model.served_name, str(out), cfg.engine.device == "cpu", 60)
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_env())
             if proc.returncode != 0:
                 why = (proc.stderr.strip().splitlines() or ["no output"])[-1]

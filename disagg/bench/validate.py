@@ -18,6 +18,12 @@ predicted against measured.
 `resimulate` runs the simulator alone, with other constants, against the live runs of an earlier
 validate: a calibration or a change of the model judged in seconds, without the app.
 
+`refit` (`disagg validate --refit DIR`): before each live run the router's constants are fitted
+again on the live engines, as `make run` fits them at start, and each repeat is simulated with its
+own run's constants: the host's drift between one fit at start and a run half an hour later is
+then not the model's error (docs/results.md: two fits of one host within an hour put its engines
+on 0.84 and 1.08 cores).
+
 `at_measured_speed` (both): the simulator runs every repeat, not once per rate, with the engines'
 step times scaled to what that repeat's constants check measured just before its load. A shared host
 drifts between the fit and a run, and simulating at the fitted speed counts that drift as the
@@ -37,7 +43,7 @@ from typing import Callable
 
 from disagg.bench.constants_check import at_measured_speed as at_measured_speed_of
 from disagg.bench.constants_check import rejudged
-from disagg.bench.harness import COST_MODEL_FILE, BenchConfig, BenchError, run_bench
+from disagg.bench.harness import COST_MODEL_FILE, SETTINGS_FILE, BenchConfig, BenchError, run_bench
 from disagg.bench.records import LIVE, SIM
 from disagg.core.cost_model import CostModel, CostModelError, load_profile
 from disagg.files import json_safe, write_json_atomic, write_text_atomic
@@ -299,27 +305,40 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run_validate(cfg: ValidateConfig, log: Callable[[str], None], progress=None) -> dict:
-    """Every (repeat, rate) bench run (resumed where a folder holds one), then the report files."""
+def run_validate(cfg: ValidateConfig, log: Callable[[str], None], progress=None,
+                 refit: Callable[[], None] | None = None) -> dict:
+    """Every (repeat, rate) bench run (resumed where a folder holds one), then the report files.
+
+    `refit`: fits the router's constants on the live engines again (`disagg validate --refit`),
+    called before each run that has not begun (a begun one resumes with the constants it started
+    with). Each repeat is then simulated with the constants its run judged with, minutes old rather
+    than as old as the app, and a cell's prediction is the median over its repeats: the host's
+    drift between a fit and a run, and one fit's noise, are not counted as the model's error."""
     check(cfg)
+    if refit is not None and cfg.cost_model is not None:
+        raise BenchError("--refit re-fits the router's own constants: drop --cost-model")
     slices = {"url": cfg.url, "traces": list(cfg.traces), "policies": list(cfg.policies), "rates": list(cfg.rates),
               "repeats": cfg.repeats, "max_requests": cfg.max_requests, "seed": cfg.seed,
               "cost_model": cfg.cost_model or "app"}
+    per_repeat = cfg.at_measured_speed or refit is not None
     runs, sims = {}, {}
     for repeat, rate in run_order(cfg.rates, cfg.repeats):
         out = folder(cfg.out, repeat, rate)
+        if refit is not None and not (out / SETTINGS_FILE).exists():
+            log(f"re-fitting the router's constants on the live engines before {out}")
+            refit()
         log(f"repeat {repeat + 1} of {cfg.repeats}, {rate:g} req/s → {out}")
         run_bench(BenchConfig(out=out, traces=cfg.traces, policies=cfg.policies, url=cfg.url, rate=rate,
-                              max_requests=cfg.max_requests, seed=cfg.seed,
-                              sim=repeat == 0 and not cfg.at_measured_speed,
+                              max_requests=cfg.max_requests, seed=cfg.seed, sim=repeat == 0 and not per_repeat,
                               cost_model=cfg.cost_model, realtime=cfg.realtime,
                               request_timeout_s=cfg.request_timeout_s), progress=progress, log=log)
         runs[(repeat, rate)] = out
-        if cfg.at_measured_speed:  # the constants this run judged with, at the speed its check measured
+        if per_repeat:  # the constants this run judged with (at the speed its check measured, if asked)
             sims[(repeat, rate)] = simulate_live_run(out, slices, load_profile(out / COST_MODEL_FILE),
-                                                     folder(cfg.out / SIM_FOLDER, repeat, rate), True, log)
+                                                     folder(cfg.out / SIM_FOLDER, repeat, rate),
+                                                     cfg.at_measured_speed, log)
     report = summarize(runs, cfg.within, sims or None)
-    report["settings"] = {**slices, "at_measured_speed": cfg.at_measured_speed}
+    report["settings"] = {**slices, "at_measured_speed": cfg.at_measured_speed, "refit": refit is not None}
     return _write(report, cfg.out)
 
 

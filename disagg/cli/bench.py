@@ -145,8 +145,41 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     val.add_argument("--at-measured-speed", action="store_true",
                      help="simulate every repeat with the engines' step times scaled to what its constants check "
                           "measured just before it (the host's drift since the fit), not once per rate as fitted")
+    val.add_argument("--refit", metavar="DIR",
+                     help="before each live run, fit the router's constants on the live engines again (as `make "
+                          "run` does at start) into DIR, a folder the router may load from (its "
+                          "router.cost_model_dir), and simulate each repeat with its own run's constants")
     val.add_argument("--out", required=True, help="output folder; one resumable bench folder per repeat and rate")
     val.set_defaults(func=cmd_validate)
+
+
+def _refit(url: str, into: Path):
+    """`validate --refit`: every served model's constants fitted on the live engines again and
+    applied (`live_fit_argv`), into `into`; BenchError naming the model and the command on failure."""
+    import subprocess
+
+    from disagg.app_client import AppClient, AppError
+    from disagg.bench.harness import BenchError
+    from disagg.cli.common import live_fit_argv
+
+    def refit() -> None:
+        try:
+            with AppClient(url, timeout_s=60.0) as app:
+                models = app.state()["models"]
+        except (AppError, KeyError) as e:
+            raise BenchError(f"--refit: reading the app's models: {e}") from None
+        into.mkdir(parents=True, exist_ok=True)
+        for name, m in models.items():
+            shared = (m.get("cost_model_constants") or {}).get("shared_host") is not None
+            cmd = live_fit_argv(url, name, str(into / f"validate-refit-{name}.yaml"), shared, 30)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise BenchError(f"--refit: fitting {name} failed ({why}); the runs so far are kept. "
+                                 f"Alone: {' '.join(cmd[2:]).replace('disagg.cli', 'disagg', 1)}")
+            held = [line for line in proc.stdout.splitlines() if line.startswith(("held-out", "shared host"))]
+            print("\n".join(f"  {name}: {line}" for line in held), file=sys.stderr, flush=True)
+    return refit
 
 
 def cmd_validate(args) -> int:
@@ -184,7 +217,8 @@ def cmd_validate(args) -> int:
                          within=args.within, realtime=args.realtime, at_measured_speed=args.at_measured_speed)
     try:
         report = run_validate(cfg, log=lambda m: print(m, file=sys.stderr, flush=True),
-                              progress=lambda total, label: Progress(total, label))
+                              progress=lambda total, label: Progress(total, label),
+                              refit=_refit(cfg.url, Path(args.refit)) if args.refit else None)
     except GateFailed as e:
         print(f"disagg: {e}", file=sys.stderr)
         return 1

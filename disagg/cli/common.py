@@ -53,3 +53,14 @@ def check_reachable(url: str) -> None:
             app.health()
     except AppError as e:
         raise UsageError(str(e) if e.status is None else f"{e}; the app is not ready") from None
+
+
+def live_fit_argv(url: str, model: str, out: str, shared_host: bool, settle_s: float) -> list[str]:
+    """The command that fits `model`'s constants on the app's live engines and has its routers price
+    with them (`disagg calibrate --live --quick ... --apply`, about 30 s on the CPU profile): the
+    start-up fit of `make run`, and `disagg validate --refit`'s before each run. `out` must lie in
+    the router's `cost_model_dir`, the one folder it may load from. `shared_host`: the engines share
+    the host's processors (CPU), so its terms are measured too; GPUs own their devices."""
+    host = ["--host", "--settle-s", f"{settle_s:g}"] if shared_host else []
+    return [sys.executable, "-m", "disagg.cli", "calibrate", "--live", "--url", url, "--quick", "--url-requests", "8",
+            "--model", model, "--out", out, "--apply", *host]

@@ -193,3 +193,58 @@ def test_at_the_measured_speed_each_repeat_is_simulated_at_the_speed_its_check_f
     unchecked.write_text(json.dumps(record))
     with pytest.raises(BenchError, match=f"{unchecked}.*slo"):  # the file named, and the field
         resimulate(measured, "cpu-tiny", tmp_path / "x", log=lambda m: None, at_measured_speed=True)
+
+
+def test_refit_fits_again_before_each_run_not_begun_and_simulates_each_repeat_with_its_runs_constants(
+        tmp_path, monkeypatch):
+    """`--refit`: the constants are fitted again before every run that has not begun (a resumed run
+    keeps the constants it began with), and each repeat is simulated with the constants its own run
+    judged with — here the second fit finds the engines 3× slower, so its repeat predicts slower tokens."""
+    import yaml
+
+    import disagg.bench.validate as validate
+    from disagg.core.cost_model import load_profile
+
+    trace = tmp_path / "chat.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n" +
+                     "".join(f"{i * 0.5},{200 + 30 * i},{20 + i}\n" for i in range(12)))
+    fitted = [load_profile("cpu-tiny")]
+    real_run_bench = validate.run_bench
+
+    def refit():  # each fit finds the engines slower than the one before
+        e = fitted[-1].engine
+        fitted.append(fitted[-1].model_copy(update={"engine": e.scaled(3.0)}))
+
+    def live_bench(cfg, progress=None, log=None):  # the app's side of `disagg bench`, as its folder keeps it
+        if cfg.url is None:
+            return real_run_bench(cfg, progress=progress, log=log)
+        assert cfg.cost_model is None and not cfg.sim  # the router's own constants; simulated per repeat
+        live = {("round_robin", "chat"): [(0.05, 0.004, True)] * 12}
+        path = write_folder(cfg.out, live, None)
+        cm = fitted[-1]
+        (path / "cost_model.yaml").write_text(yaml.safe_dump(cm.to_dict()))
+        (path / "settings.json").write_text("{}")
+        (path / "results.json").write_text(json.dumps(
+            {"resolved": {"topology": "1P2D", "max_model_len": 2048}, "settings": {"rate": cfg.rate},
+             "cost_model": {"slo": {k.value: v.model_dump() for k, v in cm.slo.items()}}}))
+
+    monkeypatch.setattr(validate, "run_bench", live_bench)
+    cfg = ValidateConfig(url="http://127.0.0.1:9", out=tmp_path / "v", traces=(str(trace),),
+                         policies=("round_robin",), rates=(1.0,), repeats=2, max_requests=12)
+    report = validate.run_validate(cfg, log=lambda m: None, refit=refit)
+    assert len(fitted) == 3 and report["settings"]["refit"] is True  # one fit before each of the two runs
+    used = [yaml.safe_load((folder(cfg.out / "sim", k, 1.0) / "cost_model.yaml").read_text())["engine"]
+            for k in range(2)]
+    assert used == [fitted[1].engine.model_dump(mode="json"), fitted[2].engine.model_dump(mode="json")]
+    per_repeat = [summarize({(0, 1.0): folder(cfg.out, k, 1.0)}, 0.15,
+                            {(0, 1.0): folder(cfg.out / "sim", k, 1.0)})["rows"][0]["sim"]["tpot_p50_s"]
+                  for k in range(2)]
+    assert per_repeat[1] > 2 * per_repeat[0]
+    assert report["rows"][0]["sim"]["tpot_p50_s"] == pytest.approx(sum(per_repeat) / 2)  # the repeats' median
+    # resumed: every run has begun, so nothing is fitted again
+    monkeypatch.setattr(validate, "run_bench", lambda cfg, progress=None, log=None: None)
+    validate.run_validate(cfg, log=lambda m: None, refit=refit)
+    assert len(fitted) == 3
+    with pytest.raises(BenchError, match="--refit.*--cost-model"):
+        validate.run_validate(ValidateConfig(**{**cfg.__dict__, "cost_model": "cpu-tiny"}), log=lambda m: None,
+                              refit=refit)
