@@ -42,6 +42,7 @@ import sys
 from pathlib import Path
 
 from disagg.bench.harness import BenchConfig, run_bench
+from disagg.bench.refit import app_refit, before_run, finished
 from disagg.bench.script import write_result
 from disagg.user_input import resolve_trace
 
@@ -140,10 +141,15 @@ def _print_capacity(result: dict, policies: list[str]) -> None:
                   + " ".join(fmt(x) for x in r["per_repeat"]))
 
 
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def run_capacity(args, policies: list[str], out: Path) -> int:
     traces = [trace_spec(t) for t in args.trace]
     ours = [p for p in args.ours.split(",") if p]
     per_repeat = []
+    refit = app_refit(args.url, Path(args.refit), log) if args.refit else None
     simulated: dict[str, dict] = {}  # trace → policy → the simulator's capacity with the same constants
     for r in range(args.repeats):
         order = rotated(policies, r)
@@ -156,7 +162,9 @@ def run_capacity(args, policies: list[str], out: Path) -> int:
                               gates=r == 0 and i == 0, realtime=args.realtime, capacity=attainment,
                               capacity_steps=args.capacity_steps, probe_requests=args.probe_requests,
                               probe_seconds=args.probe_seconds, sim=args.sim and r == 0)
-            resolved = run_bench(cfg)["resolved"]
+            if refit is not None:  # judged against constants fitted minutes before, not at the app's start
+                before_run(cfg.out, refit, log)
+            resolved = ((refit and finished(cfg.out)) or run_bench(cfg))["resolved"]
             found.update(resolved["capacity"])
             for trace, caps in (resolved.get("capacity_sim") or {}).items():
                 simulated[trace] = {p: c.get("capacity_rps") for p, c in caps.items()}
@@ -188,6 +196,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cost-model", help="SLO targets (default: the constants the router prices with, checked "
                                          "against its engines by the bench)")
+    ap.add_argument("--refit", metavar="DIR",
+                    help="with --capacity: fit the router's constants on the live engines again before each trace's "
+                         "searches, into DIR (the router's cost_model_dir): every repeat judged against constants "
+                         "minutes old, as a shared host drifts over an hour (disagg.bench.refit)")
     ap.add_argument("--tight-share", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--realtime", action="store_true")
@@ -196,6 +208,8 @@ def main(argv=None) -> int:
     policies = [p for p in args.policies.split(",") if p]
     if args.repeats < 1 or len(policies) < 2:
         ap.error("need --repeats >= 1 and at least two policies")
+    if args.refit and (args.cost_model or not args.capacity):
+        ap.error("--refit re-fits the router's own constants for --capacity: drop --cost-model")
     out = Path(args.out)
     if args.capacity:
         return run_capacity(args, policies, out)

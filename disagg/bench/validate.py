@@ -43,7 +43,8 @@ from typing import Callable
 
 from disagg.bench.constants_check import at_measured_speed as at_measured_speed_of
 from disagg.bench.constants_check import rejudged
-from disagg.bench.harness import COST_MODEL_FILE, SETTINGS_FILE, BenchConfig, BenchError, run_bench
+from disagg.bench.harness import COST_MODEL_FILE, BenchConfig, BenchError, run_bench
+from disagg.bench.refit import before_run, finished
 from disagg.bench.records import LIVE, SIM
 from disagg.core.cost_model import CostModel, CostModelError, load_profile
 from disagg.files import json_safe, write_json_atomic, write_text_atomic
@@ -310,10 +311,11 @@ def run_validate(cfg: ValidateConfig, log: Callable[[str], None], progress=None,
     """Every (repeat, rate) bench run (resumed where a folder holds one), then the report files.
 
     `refit`: fits the router's constants on the live engines again (`disagg validate --refit`),
-    called before each run that has not begun (a begun one resumes with the constants it started
-    with). Each repeat is then simulated with the constants its run judged with, minutes old rather
-    than as old as the app, and a cell's prediction is the median over its repeats: the host's
-    drift between a fit and a run, and one fit's noise, are not counted as the model's error."""
+    called before each run that has not begun (`refit.before_run`: a finished run is kept as it is,
+    one begun and not finished is refused). Each repeat is then simulated with the constants its
+    run judged with, minutes old rather than as old as the app, and a cell's prediction is the
+    median over its repeats: the host's drift between a fit and a run, and one fit's noise, are
+    not counted as the model's error."""
     check(cfg)
     if refit is not None and cfg.cost_model is not None:
         raise BenchError("--refit re-fits the router's own constants: drop --cost-model")
@@ -324,14 +326,15 @@ def run_validate(cfg: ValidateConfig, log: Callable[[str], None], progress=None,
     runs, sims = {}, {}
     for repeat, rate in run_order(cfg.rates, cfg.repeats):
         out = folder(cfg.out, repeat, rate)
-        if refit is not None and not (out / SETTINGS_FILE).exists():
-            log(f"re-fitting the router's constants on the live engines before {out}")
-            refit()
+        if refit is not None:
+            before_run(out, refit, log)
         log(f"repeat {repeat + 1} of {cfg.repeats}, {rate:g} req/s → {out}")
-        run_bench(BenchConfig(out=out, traces=cfg.traces, policies=cfg.policies, url=cfg.url, rate=rate,
-                              max_requests=cfg.max_requests, seed=cfg.seed, sim=repeat == 0 and not per_repeat,
-                              cost_model=cfg.cost_model, realtime=cfg.realtime,
-                              request_timeout_s=cfg.request_timeout_s), progress=progress, log=log)
+        if refit is None or finished(out) is None:  # a finished run resumed would meet the later fit's constants
+            run_bench(BenchConfig(
+                out=out, traces=cfg.traces, policies=cfg.policies, url=cfg.url, rate=rate,
+                max_requests=cfg.max_requests, seed=cfg.seed, sim=repeat == 0 and not per_repeat,
+                cost_model=cfg.cost_model, realtime=cfg.realtime, request_timeout_s=cfg.request_timeout_s),
+                progress=progress, log=log)
         runs[(repeat, rate)] = out
         if per_repeat:  # the constants this run judged with (at the speed its check measured, if asked)
             sims[(repeat, rate)] = simulate_live_run(out, slices, load_profile(out / COST_MODEL_FILE),

@@ -153,38 +153,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     val.set_defaults(func=cmd_validate)
 
 
-def _refit(url: str, into: Path):
-    """`validate --refit`: every served model's constants fitted on the live engines again and
-    applied (`live_fit_argv`), into `into`; BenchError naming the model and the command on failure."""
-    import subprocess
-
-    from disagg.app_client import AppClient, AppError
-    from disagg.bench.harness import BenchError
-    from disagg.cli.common import live_fit_argv
-
-    def refit() -> None:
-        try:
-            with AppClient(url, timeout_s=60.0) as app:
-                models = app.state()["models"]
-        except (AppError, KeyError) as e:
-            raise BenchError(f"--refit: reading the app's models: {e}") from None
-        into.mkdir(parents=True, exist_ok=True)
-        for name, m in models.items():
-            shared = (m.get("cost_model_constants") or {}).get("shared_host") is not None
-            cmd = live_fit_argv(url, name, str(into / f"validate-refit-{name}.yaml"), shared, 30)
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            if proc.returncode != 0:
-                why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                raise BenchError(f"--refit: fitting {name} failed ({why}); the runs so far are kept. "
-                                 f"Alone: {' '.join(cmd[2:]).replace('disagg.cli', 'disagg', 1)}")
-            held = [line for line in proc.stdout.splitlines() if line.startswith(("held-out", "shared host"))]
-            print("\n".join(f"  {name}: {line}" for line in held), file=sys.stderr, flush=True)
-    return refit
-
-
 def cmd_validate(args) -> int:
     """`disagg validate` (disagg/bench/validate.py)."""
     from disagg.bench.harness import BenchError, GateFailed
+    from disagg.bench.refit import app_refit
     from disagg.bench.validate import (
         FIGURE, RESULTS_JSON, RESULTS_MD, ValidateConfig, markdown, resimulate, run_validate,
     )
@@ -215,10 +187,13 @@ def cmd_validate(args) -> int:
                          policies=tuple(parse_policies(args.policies)), rates=rates, repeats=args.repeats,
                          max_requests=args.max_requests or None, cost_model=args.cost_model, seed=args.seed,
                          within=args.within, realtime=args.realtime, at_measured_speed=args.at_measured_speed)
+    def log(m: str) -> None:
+        print(m, file=sys.stderr, flush=True)
+
     try:
-        report = run_validate(cfg, log=lambda m: print(m, file=sys.stderr, flush=True),
+        report = run_validate(cfg, log=log,
                               progress=lambda total, label: Progress(total, label),
-                              refit=_refit(cfg.url, Path(args.refit)) if args.refit else None)
+                              refit=app_refit(cfg.url, Path(args.refit), log) if args.refit else None)
     except GateFailed as e:
         print(f"disagg: {e}", file=sys.stderr)
         return 1
