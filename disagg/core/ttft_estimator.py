@@ -37,10 +37,12 @@ Timing: by default a snapshot describes the instance at a step boundary at `now`
 flight, and the engine's next step is planned at `now` with the new query already queued.
 `snapshot_of` reads an engine model at a boundary, which is how the tests check that estimator and
 simulator agree exactly. A live router does not see step boundaries: its snapshots are `mid_step`,
-and the step the state gives (an arrival cuts a macro step of decodes at the step in flight: one
-decode step, or one prefill step) is taken as half done at `now` — the remainder a query arriving
-at a random moment waits for, which a boundary would leave out (on a busy CPU engine, a third of a
-short prompt's TTFT).
+and the step the running requests make (an arrival cuts a macro step of decodes at the step in
+flight: one decode step, or one step with a chunk of a prefill in progress) is taken as half done
+at `now` — the remainder a query arriving at a random moment waits for, which a boundary would
+leave out (on a busy CPU engine, a third of a short prompt's TTFT). Queued requests are not in it:
+the router may have sent one a moment ago, and taking its prefill as half done under-estimates by
+half a prefill (in the simulator's closed loop that cost 7 points of TTFT attainment).
 
 The new query's own output length cannot change its first token (it only joins the decode batch
 *with* its first token), so it is not an input: the model gives it one output token. Its first
@@ -167,7 +169,8 @@ class InstanceSnapshot:
     running: tuple[RunningRequest, ...] = ()
     transfers: tuple[KvTransfer, ...] = ()
     # read at a random moment of the engine's steps (a router's view), not at a step boundary: the
-    # step the state gives is taken as half done (`EngineModel.mid_step`)
+    # step the running requests make is taken as half done, and the queued ones wait for its end
+    # (`EngineModel.mid_step`)
     mid_step: bool = False
 
     @property
@@ -223,7 +226,8 @@ def _build(c: EngineConstants, snap: InstanceSnapshot, now: float,
     bs = e.bs
     used = 0
     rid = 0
-    waiting = e.waiting
+    # read mid-step, the queued requests wait for the step in flight, which the running ones make
+    waiting = [] if snap.mid_step else e.waiting
     for q in snap.waiting:
         j = Job(rid, q.prompt_tokens, q.output_tokens, remote_kv=q.remote_kv, prefill_only=q.prefill_only,
                 payload=q.transfer_s)
@@ -285,6 +289,7 @@ def _build(c: EngineConstants, snap: InstanceSnapshot, now: float,
     heapq.heapify(events)
     if snap.mid_step:
         e.mid_step(now)
+        e.waiting.extend(waiting)
     return e, events
 
 

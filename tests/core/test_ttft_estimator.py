@@ -464,9 +464,13 @@ def test_a_snapshot_read_mid_step_waits_the_rest_of_the_step_in_flight():
     half_a_decode_step = c.step_s(0, 2) / 2  # the step in flight decodes the two running requests
     assert mid.wait_s == pytest.approx(at_boundary.wait_s + half_a_decode_step)
     assert mid.ttft_s == pytest.approx(at_boundary.ttft_s + half_a_decode_step)
-    # a queued prompt is in the step in flight, half prefilled: the new query waits the rest of it
-    queued = InstanceSnapshot(waiting=(QueuedRequest(300, 10),), mid_step=True)
-    first = c.step_s(300, 0) + c.prefill_overhead_s
-    assert estimate_ttft(c, queued, 64).wait_s == pytest.approx(first / 2)
+    # a queued prompt is not in the step in flight (the router may have sent it a moment ago): it
+    # waits for that step's end too, and alone it is planned from `now` as at a boundary
+    queued = (QueuedRequest(300, 10),)
+    both = estimate_ttft(c, InstanceSnapshot(waiting=queued, running=decoding, mid_step=True), 64, now=2.0)
+    assert both.ttft_s == pytest.approx(
+        estimate_ttft(c, InstanceSnapshot(waiting=queued, running=decoding), 64, now=2.0).ttft_s + half_a_decode_step)
+    alone = estimate_ttft(c, InstanceSnapshot(waiting=queued, mid_step=True), 64)
+    assert alone == estimate_ttft(c, InstanceSnapshot(waiting=queued), 64)
     # an idle instance has no step in flight
     assert estimate_ttft(c, InstanceSnapshot(mid_step=True), 64) == estimate_ttft(c, InstanceSnapshot(), 64)
