@@ -15,9 +15,9 @@ where the estimate sits beside the measured TTFT):
   `engine.stream_interval_max_s`, 80 ms), so it lags by at most that;
   its remaining output is the predicted length minus what it produced (at least one token):
   a request that will stop early (eos) is counted until it does;
-- the step in flight is not known: the snapshot is `mid_step` when the instance has work, its
-  step taken as half done at `now` (the average remainder a request arriving at a random moment
-  waits for; off by at most half a step);
+- the step in flight is not known: the snapshot is `mid_step` when the instance has work, the
+  running requests' step taken as half done at `now` (the average remainder a request arriving
+  at a random moment waits for; off by at most half a step) and the queued ones after it;
 - KV use is implied by the requests (prompt + decoded tokens each), not by the poll, which lags
   50 ms and cannot be split per request; a request whose KV would exceed the polled capacity
   (the engine must have preempted or stopped it) is left out rather than failing the estimate;
