@@ -42,7 +42,7 @@ import sys
 from pathlib import Path
 
 from disagg.bench.harness import BenchConfig, run_bench
-from disagg.bench.refit import app_refit, before_run, finished
+from disagg.bench.refit import app_refit, before_run
 from disagg.bench.script import write_result
 from disagg.user_input import resolve_trace
 
@@ -166,9 +166,9 @@ def run_capacity(args, policies: list[str], out: Path) -> int:
                               # ones (which swing more than the drift they catch): its verdict is kept
                               # in results.json as a warning, not a stop
                               accept_foreign_constants=refit is not None)
-            if refit is not None:  # judged against constants fitted minutes before, not at the app's start
-                before_run(cfg.out, refit, log)
-            resolved = ((refit and finished(cfg.out)) or run_bench(cfg))["resolved"]
+            # judged against constants fitted minutes before, not at the app's start
+            done = before_run(cfg.out, refit, log) if refit is not None else None
+            resolved = (done or run_bench(cfg))["resolved"]
             found.update(resolved["capacity"])
             for trace, caps in (resolved.get("capacity_sim") or {}).items():
                 simulated[trace] = {p: c.get("capacity_rps") for p, c in caps.items()}

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from disagg.cli.common import live_fit_argv
+from disagg.cli.common import as_typed, live_fit_argv
 from serve_app.config import ConfigError, load_serve_config
 from serve_app.engine import ENGINE_PROCESS_MARKERS, RUNTIME_DIR_VAR
 from serve_app.tiny_model import resolve_model
@@ -242,7 +242,7 @@ class LocalStack:
             if proc.returncode != 0:
                 why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 raise RuntimeError(f"fitting the host failed ({why}); the router keeps the config's constants. "
-                                   f"Retry: {' '.join(cmd[2:]).replace('disagg.cli', 'disagg', 1)}")
+                                   f"Retry: {as_typed(cmd)}")
             settled = [line.removeprefix("host: ") for line in proc.stderr.splitlines()
                        if line.startswith(("host: settled", "host: still above"))]
             fitted.append((out, "\n".join([*settled, proc.stdout])))

@@ -18,7 +18,7 @@ from typing import Callable
 
 from disagg.bench.harness import SETTINGS_FILE, BenchError
 from disagg.bench.report import RESULTS_JSON
-from disagg.cli.common import live_fit_argv
+from disagg.cli.common import as_typed, live_fit_argv
 
 FIT_TIMEOUT_S = 600.0
 
@@ -31,16 +31,19 @@ def finished(out: Path) -> dict | None:
         return None
 
 
-def before_run(out: Path, refit: Callable[[], None], log: Callable[[str], None]) -> None:
-    """Fit again before the bench run into `out`, unless it has finished; BenchError when it was
-    begun and not finished: it would resume against other constants than it began with."""
-    if finished(out) is not None:
-        return
+def before_run(out: Path, refit: Callable[[], None], log: Callable[[str], None]) -> dict | None:
+    """The results of the bench run in `out` if it has finished (it is not run again: resumed, it
+    would meet the later fit's constants); else fit again before it and None. BenchError when it
+    was begun and not finished: it would resume against other constants than it began with."""
+    done = finished(out)
+    if done is not None:
+        return done
     if (out / SETTINGS_FILE).exists():
         raise BenchError(f"{out} was begun with constants the app has since re-fitted: remove the folder to run "
                          "it again after a fresh fit, or resume it without --refit")
     log(f"re-fitting the app's constants on its live engines before {out}")
     refit()
+    return None
 
 
 def app_refit(url: str, into: Path, log: Callable[[str], None]) -> Callable[[], None]:
@@ -63,7 +66,7 @@ def app_refit(url: str, into: Path, log: Callable[[str], None]) -> Callable[[], 
             if proc.returncode != 0:
                 why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 raise BenchError(f"--refit: fitting {name} failed ({why}); the runs so far are kept. "
-                                 f"Alone: {' '.join(cmd[2:]).replace('disagg.cli', 'disagg', 1)}")
+                                 f"Alone: {as_typed(cmd)}")
             for line in proc.stdout.splitlines():
                 if line.startswith(("held-out", "shared host", "SLO")):
                     log(f"  {name}: {line}")

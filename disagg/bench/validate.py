@@ -44,7 +44,7 @@ from typing import Callable
 from disagg.bench.constants_check import at_measured_speed as at_measured_speed_of
 from disagg.bench.constants_check import rejudged
 from disagg.bench.harness import COST_MODEL_FILE, BenchConfig, BenchError, run_bench
-from disagg.bench.refit import before_run, finished
+from disagg.bench.refit import before_run
 from disagg.bench.records import LIVE, SIM
 from disagg.core.cost_model import CostModel, CostModelError, load_profile
 from disagg.files import json_safe, write_json_atomic, write_text_atomic
@@ -326,10 +326,9 @@ def run_validate(cfg: ValidateConfig, log: Callable[[str], None], progress=None,
     runs, sims = {}, {}
     for repeat, rate in run_order(cfg.rates, cfg.repeats):
         out = folder(cfg.out, repeat, rate)
-        if refit is not None:
-            before_run(out, refit, log)
+        done = before_run(out, refit, log) if refit is not None else None
         log(f"repeat {repeat + 1} of {cfg.repeats}, {rate:g} req/s → {out}")
-        if refit is None or finished(out) is None:  # a finished run resumed would meet the later fit's constants
+        if done is None:
             run_bench(BenchConfig(
                 out=out, traces=cfg.traces, policies=cfg.policies, url=cfg.url, rate=rate,
                 max_requests=cfg.max_requests, seed=cfg.seed, sim=repeat == 0 and not per_repeat,

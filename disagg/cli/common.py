@@ -64,3 +64,8 @@ def live_fit_argv(url: str, model: str, out: str, shared_host: bool, settle_s: f
     host = ["--host", "--settle-s", f"{settle_s:g}"] if shared_host else []
     return [sys.executable, "-m", "disagg.cli", "calibrate", "--live", "--url", url, "--quick", "--url-requests", "8",
             "--model", model, "--out", out, "--apply", *host]
+
+
+def as_typed(argv: list[str]) -> str:
+    """What a user types for `argv` (a `live_fit_argv`): `disagg ...`, not the interpreter's path."""
+    return " ".join(argv[2:]).replace("disagg.cli", "disagg", 1)
