@@ -780,7 +780,8 @@ class Bench:
         """Refuse (BenchError) when the judging constants describe other hardware (`constants_check`)."""
         try:
             verdict = await check_constants(app.probe, self.cm, target.prefill + target.decode,
-                                            target.max_model_len, self.cm.engine.max_num_seqs, self.cfg.seed)
+                                            target.max_model_len, self.cm.engine.max_num_seqs, self.cfg.seed,
+                                            log=self.log)
         except AppError as e:
             if e.status in (401, 403, 404):  # no admin access from here: the probes cannot run
                 self.warnings.append(f"the cost model's constants were not checked against the app's hardware "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from disagg.bench import constants_check
 from disagg.bench.harness import (
     BenchConfig, BenchError, GateFailed, RecordStore, fit_to_context, plan_slice, run_bench, saturation_search,
 )
@@ -223,7 +224,7 @@ def test_a_live_run_judges_with_the_routers_constants_after_checking_them(tmp_pa
     assert len(probes) == len(check["points"]) * 3 + 3  # 3 rounds per point, a warm-up per instance
 
 
-def test_constants_of_other_hardware_are_refused_before_any_request(tmp_path):
+def test_constants_of_other_hardware_are_refused_before_any_request(tmp_path, monkeypatch):
     trace = small_trace(tmp_path / "t.csv", n=5)
     out = tmp_path / "o"
     with StubServer(hardware_factor=2.5) as stub:
@@ -233,10 +234,13 @@ def test_constants_of_other_hardware_are_refused_before_any_request(tmp_path):
         assert "does not describe the hardware" in r.stderr and "disagg calibrate --live --url" in r.stderr
         assert stub.completions == []
         assert not (out / "requests.jsonl").exists()
+        assert "on the last of 3 attempts" in r.stderr  # a slow spell would have passed by the third
         # a miscalibration study may still report, flagged
+        monkeypatch.setattr(constants_check, "PAUSES_S", (0.0, 0.0))
         res = run_bench(BenchConfig(out=tmp_path / "o2", traces=(str(trace),), policies=("round_robin",),
                                     url=stub.url, rate=20.0, accept_foreign_constants=True))
     assert not res["cost_model"]["constants_check"]["fits"]
+    assert len(res["cost_model"]["constants_check"]["earlier_attempts"]) == 2
     assert any("does not describe the hardware" in w for w in res["warnings"])
 
 
