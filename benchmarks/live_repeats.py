@@ -165,7 +165,7 @@ def run_capacity(args, policies: list[str], out: Path) -> int:
                               # fitted just now on these engines, with more probes than the check's lone
                               # ones (which swing more than the drift they catch): its verdict is kept
                               # in results.json as a warning, not a stop
-                              accept_foreign_constants=refit is not None)
+                              accept_foreign_constants=refit is not None, slo_scale=args.slo_scale)
             # judged against constants fitted minutes before, not at the app's start
             done = before_run(cfg.out, refit, log) if refit is not None else None
             resolved = (done or run_bench(cfg))["resolved"]
@@ -204,6 +204,8 @@ def main(argv=None) -> int:
                     help="with --capacity: fit the router's constants on the live engines again before each trace's "
                          "searches, into DIR (the router's cost_model_dir): every repeat judged against constants "
                          "minutes old, as a shared host drifts over an hour (disagg.bench.refit)")
+    ap.add_argument("--slo-scale", type=float, metavar="X",
+                    help="judge (and route) each request by X times its own unloaded TTFT and TPOT (disagg bench)")
     ap.add_argument("--tight-share", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--realtime", action="store_true")
@@ -224,7 +226,8 @@ def main(argv=None) -> int:
         cfg = BenchConfig(out=out / f"repeat{r}", traces=tuple(str(resolve_trace(t)) for t in args.trace),
                           policies=tuple(order), url=args.url,
                           rate=args.rate, max_requests=args.max_requests, tight_share=args.tight_share,
-                          seed=args.seed, cost_model=args.cost_model, gates=r == 0, realtime=args.realtime)
+                          seed=args.seed, cost_model=args.cost_model, gates=r == 0, realtime=args.realtime,
+                          slo_scale=args.slo_scale)
         per_repeat.append(run_bench(cfg))
     result = {"settings": vars(args), "traces": summary(per_repeat, policies)}
     write_result(out / "summary.json", result)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.core.cost_model import SloTarget
 from disagg.core.types import Decision, SloClass
 from disagg.core.utility import Choice
 from serve_app.messages import EngineTimeline, OutputDelta
@@ -37,6 +38,7 @@ class Flight:
     choice: Choice | None = None  # the alias route's choice (None: the request named its model)
     ttft_limit_s: float | None = None  # the alias route's TTFT limit
     lam: float | None = None  # the alias route's λ
+    slo_scale: float | None = None  # its targets: this many times its own unloaded latency (None: its class's)
     prefilled: bool = False
     decision: Decision | None = None
     state_seen: dict[str, int] = field(default_factory=dict)  # instance id → the state version decided on
@@ -87,6 +89,11 @@ class Flight:
     def generated_total(self) -> int:
         """Output tokens relayed so far, every sample's."""
         return len(self.output_ids) + self.other_samples_tokens
+
+    def target(self) -> SloTarget:
+        """Its latency targets on its model's fleet: its class's, or (X-SLO-Scale) that many times its
+        own unloaded latency there."""
+        return self.model.cost_model.target_for(self.slo, len(self.prompt_ids), self.slo_scale)
 
     @property
     def intake_s(self) -> float | None:

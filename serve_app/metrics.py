@@ -6,7 +6,7 @@ application, deployment and replica tags); Prometheus sums them. Names start wit
 - `disagg_requests_total{model, slo_class, outcome}`: served, failed, cancelled;
 - `disagg_ttft_seconds`, `disagg_tpot_seconds`, `disagg_e2e_seconds{model, slo_class}`;
 - `disagg_slo_requests_total{model, slo_class, met}`: met = both the TTFT and the TPOT target of
-  the request's class; attainment = met / all;
+  the request (its class's, or with X-SLO-Scale its own); attainment = met / all;
 - `disagg_decisions_total{model, policy, prefill, decode}`, and each priced cost term of the
   chosen candidates, `disagg_decision_cost_seconds{model, policy, side, term}`;
 - the TTFT the decision predicted next to the one measured: `disagg_ttft_predicted_seconds` and

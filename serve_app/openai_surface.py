@@ -48,6 +48,7 @@ class RequestContext:
     alias: Any = None  # the alias route's pick (`dispatcher.AliasChoice`); None: the request named its model
     flights: list[Flight] = field(default_factory=list)  # one per prompt of the request, in order
     received: float | None = None  # monotonic time the router's handler got the request
+    slo_scale: float | None = None  # X-SLO-Scale: targets this many times the request's own unloaded latency
 
 
 _REQUEST: ContextVar[RequestContext | None] = ContextVar("disagg_request", default=None)

@@ -57,8 +57,12 @@ def request_record(f: Flight, error: str | None, now: float, multi_model: bool, 
     """The log line of a finished request: `error` None when served, `now` the monotonic time it
     finished; `multi_model`: also name the requested and the serving model; `router`: the router
     replica that routed it."""
+    target = f.target() if f.model is not None else None  # what it was priced and counted against
     record = {
-        "id": f.response_id or f.rid, "prompt_index": f.prompt_index, "time": time.time(), "router": router, "slo_class": f.slo.value, "prompt_tokens": len(f.prompt_ids),
+        "id": f.response_id or f.rid, "prompt_index": f.prompt_index, "time": time.time(), "router": router,
+        "slo_class": f.slo.value, "slo_scale": f.slo_scale,
+        "ttft_target_s": target.ttft_s if target else None, "tpot_target_s": target.tpot_s if target else None,
+        "prompt_tokens": len(f.prompt_ids),
         "max_tokens": f.params.max_tokens, "n": f.n, "predicted_output_tokens": f.predicted,
         "output_tokens": f.generated_total, "finish_reason": f.finish_reason, "error": error,
         "prefill": f.actual_prefill, "decode": f.actual_decode, "fallback": f.fallback,

@@ -512,6 +512,7 @@ class Router:
             req = parse_openai(await read_body(request, self.max_body_bytes), "chat" if chat else "completion")
             limit_ms = _header_number(request, "X-TTFT-Limit-Ms", minimum_exclusive=True)
             lam = _header_number(request, "X-Route-Lambda", minimum_exclusive=False)
+            slo_scale = _header_number(request, "X-SLO-Scale", minimum_exclusive=True)
             if req.model is None:  # vLLM serves its first model; the router, the alias if it has one
                 req.model = self.alias or next(iter(self.served))
             targets = self._may_fit(self._targets(req.model), req, chat)
@@ -522,7 +523,7 @@ class Router:
             return _error(e)
         ctx = RequestContext(slo, limit_ms / 1e3 if limit_ms is not None else self._default_limit_s(slo),
                              self.lam if lam is None else lam, chat, requested_model=req.model,
-                             fields=frozenset(req.model_fields_set), received=received)
+                             fields=frozenset(req.model_fields_set), received=received, slo_scale=slo_scale)
         token = entered(ctx)
         result: Any = None
         try:
@@ -580,7 +581,7 @@ class Router:
         f = Flight(rid, ctx.chat, ctx.slo, list(parts.token_ids), params, model, requested_model=ctx.requested_model,
                    fields=ctx.fields, prompt_text=parts.text,
                    final_only=params.output_kind == RequestOutputKind.FINAL_ONLY)
-        f.lam, f.ttft_limit_s, f.t_received = ctx.lam, ctx.ttft_limit_s, ctx.received
+        f.lam, f.ttft_limit_s, f.t_received, f.slo_scale = ctx.lam, ctx.ttft_limit_s, ctx.received, ctx.slo_scale
         # vLLM names prompt i's engine request `<id>-i` (completions) or `<id>_i` (chat, several prompts)
         f.prompt_index = len(ctx.flights)
         f.response_id = rid.removesuffix(f"-{f.prompt_index}").removesuffix(f"_{f.prompt_index}")

@@ -158,6 +158,9 @@ class BenchConfig:
     # report goodput even when the constants judged with do not describe the app's hardware
     # (`constants_check`): for studies of miscalibration, never for a figure about routing
     accept_foreign_constants: bool = False
+    # each request's targets: this many times its own unloaded TTFT and TPOT (`CostModel.target_for`),
+    # sent as X-SLO-Scale so the router prices what the bench judges; None: its class's targets
+    slo_scale: float | None = None
 
     @property
     def live(self) -> bool:
@@ -252,10 +255,10 @@ class RecordStore:
 
 
 def live_record(res: ClientResult, *, policy: str, trace: str, req: TraceRequest, cm: CostModel,
-                rate: float, system: str = LIVE) -> dict:
+                rate: float, system: str = LIVE, slo_scale: float | None = None) -> dict:
     """One live request as a JSON line; the RequestRecord fields plus the client's own figures."""
     slo = SloClass(res.slo_class) if res.slo_class else SloClass.LOOSE
-    target = cm.target(slo)
+    target = cm.target_for(slo, req.prompt_tokens, slo_scale)
     met = (res.error is None and res.ttft_s is not None and res.ttft_s <= target.ttft_s
            and (res.tpot_s is None or res.tpot_s <= target.tpot_s))
     route = res.route
@@ -327,7 +330,7 @@ def plan_slice(trace: Sequence[TraceRequest], *, rate: float | None, duration_s:
 
 
 def planned(slice_: Sequence[TraceRequest], trace: str, seed: int, indices: Sequence[int] | None = None,
-            stream: str | None = None) -> list[PlannedRequest]:
+            stream: str | None = None, slo_scale: float | None = None) -> list[PlannedRequest]:
     """Loadgen requests for (some of) a slice, re-based so the first of them is sent at once."""
     idx = list(range(len(slice_))) if indices is None else sorted(indices)
     if not idx:
@@ -336,7 +339,8 @@ def planned(slice_: Sequence[TraceRequest], trace: str, seed: int, indices: Sequ
     return [PlannedRequest(index=i, at_s=slice_[i].arrival_s - t0, prompt_tokens=slice_[i].prompt_tokens,
                            max_tokens=slice_[i].output_tokens,
                            slo_class=slice_[i].slo_class.value if slice_[i].slo_class else None,
-                           prompt_seed=prompt_seed(seed, stream or trace, i), prefix_hashes=slice_[i].prefix_hashes)
+                           prompt_seed=prompt_seed(seed, stream or trace, i), prefix_hashes=slice_[i].prefix_hashes,
+                           slo_scale=slo_scale)
             for i in idx]
 
 
@@ -384,6 +388,9 @@ def check_config(cfg: BenchConfig) -> tuple[CostModel | None, list[TraceInput]]:
             raise BenchError("capacity probing needs --probe-requests >= 2 and --probe-seconds > 0")
     if not (0.0 <= cfg.tight_share <= 1.0):
         raise BenchError(f"--tight-share must be in [0, 1], got {cfg.tight_share}")
+    if cfg.slo_scale is not None and not (math.isfinite(cfg.slo_scale) and cfg.slo_scale > 0):
+        raise BenchError(f"--slo-scale must be a finite number > 0 (times each request's own unloaded latency), "
+                         f"got {cfg.slo_scale}")
     if cfg.duration_s is not None and not cfg.duration_s > 0:
         raise BenchError(f"--duration must be > 0 s, got {cfg.duration_s}")
     if cfg.max_requests is not None and cfg.max_requests < 1:
@@ -495,6 +502,7 @@ def settings_of(cfg: BenchConfig, cm: CostModel | None, traces: Sequence[TraceIn
         "rate": cfg.rate, "saturation": cfg.saturation,
         "duration_s": cfg.duration_s, "max_requests": cfg.max_requests, "tight_share": cfg.tight_share,
         "seed": cfg.seed, "cost_model": cost_model_key(cm) if cm is not None else {"source": APP},
+        "slo_scale": cfg.slo_scale,
         "topology": cfg.topology, "max_model_len": cfg.max_model_len if not cfg.live else None,
         "probe": ({"requests": cfg.probe_requests, "seconds": cfg.probe_seconds, "iterations": cfg.probe_iterations}
                   if cfg.saturation else None),
@@ -772,7 +780,7 @@ class Bench:
         base = list(t.requests[: self.cfg.max_requests] if self.cfg.max_requests else t.requests)
         base, _, _ = fit_to_context(base, self.resolved.get("max_model_len"))
         return find_saturation(base, self.cm, Topology.parse(self.resolved["topology"]),
-                               tight_share=self.cfg.tight_share, seed=self.cfg.seed)
+                               tight_share=self.cfg.tight_share, seed=self.cfg.seed, slo_scale=self.cfg.slo_scale)
 
     # live ---------------------------------------------------------------------------------------
 
@@ -873,11 +881,12 @@ class Bench:
                                   tight_share=cfg.tight_share, seed=cfg.seed, max_len=self.resolved.get("max_model_len"))
                 await set_policy(c, "round_robin")
                 await reset_prefix_cache(c)
-                reqs = planned(s, t.name, cfg.seed, stream=f"{t.name}/probe")
+                reqs = planned(s, t.name, cfg.seed, stream=f"{t.name}/probe", slo_scale=cfg.slo_scale)
                 results, _ = await run_open_loop(self.shards, self.target.model, reqs, timeout_s=cfg.request_timeout_s)
                 self.sent["probes"] += len(results)
                 recs = [to_request_record(live_record(r, policy="round_robin", trace=t.name, req=s[r.index],
-                                                      cm=self.cm, rate=rate)) for r in results]
+                                                      cm=self.cm, rate=rate, slo_scale=cfg.slo_scale))
+                        for r in results]
                 g = summarize(recs)["goodput"]
                 self.log(f"  probe {t.name} at {rate:.3f} req/s, {n} requests: round_robin goodput {g:.3f}")
                 return g
@@ -933,11 +942,11 @@ class Bench:
                           seed=cfg.seed, max_len=self.resolved.get("max_model_len"))
         await set_policy(c, policy)
         await reset_prefix_cache(c)
-        reqs = planned(s, t.name, cfg.seed, stream=f"{t.name}/capacity")
+        reqs = planned(s, t.name, cfg.seed, stream=f"{t.name}/capacity", slo_scale=cfg.slo_scale)
         results, _ = await run_open_loop(self.shards, self.target.model, reqs, timeout_s=cfg.request_timeout_s)
         self.sent["probes"] += len(results)
-        recs = [to_request_record(live_record(r, policy=policy, trace=t.name, req=s[r.index], cm=self.cm, rate=rate))
-                for r in results]
+        recs = [to_request_record(live_record(r, policy=policy, trace=t.name, req=s[r.index], cm=self.cm, rate=rate,
+                                              slo_scale=cfg.slo_scale)) for r in results]
         got = summarize(recs)["goodput"]
         self.log(f"  probe {t.name} {policy} at {rate:.3f} req/s, {n} requests: {got:.3f} met their SLO")
         return got
@@ -946,7 +955,8 @@ class Bench:
         """How the simulator runs the app the bench measures: its router replicas, each seeing the
         engines' state as they push it (`ENGINE_PUSH_S` after a change), and routing with each
         request's output length, which the bench's requests state (`ignore_eos`, `max_tokens`)."""
-        return {"routers": self.resolved.get("routers") or 1, "push_s": ENGINE_PUSH_S, "known_output": True}
+        return {"routers": self.resolved.get("routers") or 1, "push_s": ENGINE_PUSH_S, "known_output": True,
+                "slo_scale": self.cfg.slo_scale}
 
     def _sim_capacity(self) -> None:
         """The same searches in the simulator."""
@@ -989,10 +999,10 @@ class Bench:
 
         def on_result(res: ClientResult) -> None:
             self.store.append(live_record(res, policy=policy, trace=trace, req=s[res.index], cm=self.cm, rate=rate,
-                                          system=system))
+                                          system=system, slo_scale=self.cfg.slo_scale))
             bar(1)
 
-        reqs = planned(s, trace, self.cfg.seed, pending)
+        reqs = planned(s, trace, self.cfg.seed, pending, slo_scale=self.cfg.slo_scale)
         results, stats = await run_open_loop(shards or self.shards, model or self.target.model, reqs,
                                              on_result=on_result, timeout_s=self.cfg.request_timeout_s)
         self.sent["runs"] += len(results)

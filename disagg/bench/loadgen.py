@@ -64,6 +64,7 @@ class PlannedRequest:
     slo_class: str | None = None
     prompt_seed: tuple[int, ...] = (0,)
     prefix_hashes: tuple[int, ...] = ()  # the trace's prefix-block hashes (`PREFIX_BLOCK_TOKENS` each)
+    slo_scale: float | None = None  # X-SLO-Scale: its targets, this many times its own unloaded latency
 
 
 @dataclass(slots=True)
@@ -242,6 +243,8 @@ async def send_one(client: httpx.AsyncClient, model: str, req: PlannedRequest, b
     headers = {"content-type": "application/json"}
     if req.slo_class:
         headers["x-slo-class"] = req.slo_class
+    if req.slo_scale is not None:
+        headers["x-slo-scale"] = repr(req.slo_scale)
     s = _Stream()
     try:
         await asyncio.wait_for(_exchange(client, body, headers, res, s, clock), timeout_s)

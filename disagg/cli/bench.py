@@ -40,7 +40,7 @@ def cmd_bench(args) -> int:
         lag_bound_s=args.lag_bound_ms / 1e3, probe_requests=args.probe_requests,
         probe_seconds=args.probe_seconds, probe_iterations=args.probe_iterations, realtime=args.realtime,
         baselines=baselines, capacity=args.capacity, capacity_steps=args.capacity_steps,
-        accept_foreign_constants=args.accept_foreign_constants,
+        accept_foreign_constants=args.accept_foreign_constants, slo_scale=args.slo_scale,
     )
     try:
         results = run_bench(cfg, progress=lambda total, label: Progress(total, label))
@@ -107,6 +107,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--accept-foreign-constants", action="store_true",
                        help="report goodput even when the cost model does not describe the app's hardware "
                             "(miscalibration studies)")
+    bench.add_argument("--slo-scale", type=float, metavar="X",
+                       help="judge each request by X times its own unloaded TTFT and TPOT instead of its class's "
+                            "targets (DistServe's SLO scale; live, sent as X-SLO-Scale so the router prices the same "
+                            "targets): for long prompts no fixed target suits")
     bench.add_argument("--topology", help="simulated topology (default: the live app's, else 1P2D)")
     bench.add_argument("--max-model-len", type=int,
                        help="context to fit requests to in a simulator-only run (live: read from /v1/models)")

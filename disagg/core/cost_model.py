@@ -322,6 +322,13 @@ class CostModel(_Strict):
     def target(self, slo_class: SloClass) -> SloTarget:
         return self.slo[slo_class]
 
+    def target_for(self, slo_class: SloClass, prompt_tokens: int, slo_scale: float | None = None) -> SloTarget:
+        """A request's targets: its class's, or (`slo_scale`) that many times its own unloaded latency."""
+        if slo_scale is None:
+            return self.slo[slo_class]
+        own = self.unloaded(prompt_tokens)
+        return SloTarget(ttft_s=slo_scale * own.ttft_s, tpot_s=slo_scale * own.tpot_s)
+
     def unloaded(self, prompt_tokens: int) -> SloTarget:
         """The request's own latency on an idle disaggregated fleet, by the pool's constants: TTFT =
         its prefill, the KV transfer, the first decode step and the serving path with its hand-off; TPOT =

@@ -119,9 +119,9 @@ def simulate(
     return summary, result
 
 
-def rr_goodput(trace, cost_model, topology, rate, tight_share, seed) -> float:
+def rr_goodput(trace, cost_model, topology, rate, tight_share, seed, slo_scale: float | None = None) -> float:
     t = prepare_trace(trace, rate, tight_share, seed)
-    summary, _ = simulate(t, cost_model, topology, "round_robin", seed=seed)
+    summary, _ = simulate(t, cost_model, topology, "round_robin", seed=seed, slo_scale=slo_scale)
     return summary["goodput"]
 
 
@@ -134,6 +134,7 @@ def find_saturation(
     seed: int,
     probe_requests: int | None = None,
     iterations: int = 10,
+    slo_scale: float | None = None,
 ) -> dict:
     """The rate at which round robin's goodput is midway through its collapse (see module doc)."""
     probe = list(trace[:probe_requests] if probe_requests else trace)
@@ -141,8 +142,8 @@ def find_saturation(
         raise ValueError("saturation search needs a trace of at least 2 requests")
     span = probe[-1].arrival_s - probe[0].arrival_s
     own_rate = (len(probe) - 1) / span if span > 0 else 1.0
-    return saturation_search(lambda r: rr_goodput(probe, cost_model, topology, r, tight_share, seed), own_rate,
-                             iterations)
+    return saturation_search(lambda r: rr_goodput(probe, cost_model, topology, r, tight_share, seed, slo_scale),
+                             own_rate, iterations)
 
 
 def saturation_steps(own: float, iterations: int, max_doublings: int = 12):

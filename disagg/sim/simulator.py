@@ -757,10 +757,7 @@ class Simulator:
 
     def _target(self, prompt_tokens: int, slo: SloClass) -> SloTarget:
         """A request's targets: its class's, or `slo_scale` times its own unloaded latency."""
-        if self.slo_scale is None:
-            return self.cm.target(slo)
-        own = self.cm.unloaded(prompt_tokens)
-        return SloTarget(ttft_s=self.slo_scale * own.ttft_s, tpot_s=self.slo_scale * own.tpot_s)
+        return self.cm.target_for(slo, prompt_tokens, self.slo_scale)
 
     def _record(self, f: _Flight, job: Job, now: float) -> RequestRecord:
         # the class's targets read directly: this runs once per request

@@ -321,6 +321,24 @@ def test_live_and_sim_in_one_command_share_the_slices_and_the_table(tmp_path):
     assert "## Simulated vs measured" in (tmp_path / "o" / "results.md").read_text()
 
 
+@pytest.mark.parametrize("scale,goodput", [(1000.0, 1.0), (0.01, 0.0)])
+def test_an_slo_scale_judges_each_request_by_its_own_unloaded_latency_live_and_simulated(tmp_path, scale, goodput):
+    """--slo-scale: every request goes out with X-SLO-Scale (the router prices the targets the bench
+    judges by), live and simulated requests alike are judged by `scale` × their own unloaded latency:
+    far above it everything meets its targets, far below nothing does."""
+    trace = small_trace(tmp_path / "t.csv", n=8)
+    with StubServer(first_token_s=0.01, token_gap_s=0.005) as stub:
+        res = run_bench(BenchConfig(out=tmp_path / "o", traces=(str(trace),), policies=("round_robin",),
+                                    url=stub.url, rate=20.0, sim=True, gates=False, slo_scale=scale))
+    assert [c["headers"]["x-slo-scale"] for c in stub.completions] == [repr(scale)] * 8
+    assert {(r["system"], r["goodput"]) for r in res["runs"]} == {("live", goodput), ("sim", goodput)}
+    assert res["settings"]["slo_scale"] == scale
+    assert f"{scale:g} × its own unloaded TTFT and TPOT" in (tmp_path / "o" / "results.md").read_text()
+    with pytest.raises(BenchError, match="--slo-scale must be a finite number > 0"):
+        run_bench(BenchConfig(out=tmp_path / "o2", traces=(str(trace),), policies=("round_robin",), sim=True,
+                              slo_scale=0.0))
+
+
 def test_a_baseline_system_runs_the_same_requests_after_each_trace_and_gets_its_own_row(tmp_path):
     trace_a, trace_b = small_trace(tmp_path / "a.csv", n=8), small_trace(tmp_path / "b.csv", n=6, gap=0.05)
     with StubServer(first_token_s=0.01) as ours, StubServer(first_token_s=0.03, model="their-model") as theirs:

@@ -361,6 +361,28 @@ def test_request_log_records_every_decision(client, stack):
     assert 0 < t["queued_s"] <= t["scheduled_s"] <= t["first_token_s"] < rec["decode_engine_first_s"], t
 
 
+def test_slo_scale_makes_a_multiple_of_the_requests_own_unloaded_latency_its_targets(client, stack):
+    """X-SLO-Scale: the router prices and counts the request against x times its own unloaded TTFT
+    and TPOT by its model's constants (what `disagg bench --slo-scale` judges by); without it, the
+    class's targets; a bad value is a 400 naming the header."""
+    from disagg.core.cost_model import CostModel
+    from disagg.core.types import SloClass
+
+    set_policy(client, "slo_goodput")
+    cm = CostModel.from_dict(state(client)["models"][MODEL]["cost_model_constants"])
+    scaled = complete(client, "scale my targets " * 20, max_tokens=4, ignore_eos=True, headers={"X-SLO-Scale": "2.5"})
+    plain = complete(client, "scale my targets " * 20, max_tokens=4, ignore_eos=True, headers={"X-SLO-Class": "tight"})
+    rec, ref = _log_record(stack, scaled.json()["id"]), _log_record(stack, plain.json()["id"])
+    own = cm.unloaded(rec["prompt_tokens"])
+    assert rec["slo_scale"] == 2.5 and rec["decision"]["policy"] == "slo_goodput"
+    assert rec["ttft_target_s"] == pytest.approx(2.5 * own.ttft_s)
+    assert rec["tpot_target_s"] == pytest.approx(2.5 * own.tpot_s)
+    assert ref["slo_scale"] is None and ref["ttft_target_s"] == pytest.approx(cm.target(SloClass.TIGHT).ttft_s)
+    for bad in ("0", "-1", "nan", "fast"):
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"}, headers={"X-SLO-Scale": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-SLO-Scale", (bad, r.text[:200])
+
+
 def _log_record(stack, rid: str) -> dict:
     log = stack.run_dir / "runs" / "requests.jsonl"
     deadline = time.monotonic() + 10

@@ -26,6 +26,15 @@ def test_unloaded_latency_is_prefill_transfer_first_step_and_serving_path(cm):
     assert own.tpot_s == e.decode_token_s(1)
 
 
+def test_a_requests_targets_are_its_class_s_or_a_multiple_of_its_own_unloaded_latency(cm):
+    """`CostModel.target_for`: one rule for the simulator, the live router (X-SLO-Scale) and the bench."""
+    assert cm.target_for(SloClass.TIGHT, 5000) == cm.target(SloClass.TIGHT)
+    scaled, own = cm.target_for(SloClass.TIGHT, 5000, 3.0), cm.unloaded(5000)
+    assert (scaled.ttft_s, scaled.tpot_s) == pytest.approx((3.0 * own.ttft_s, 3.0 * own.tpot_s))
+    assert cm.target_for(SloClass.LOOSE, 5000, 3.0) == scaled  # the class no longer matters
+    assert cm.target_for(SloClass.TIGHT, 500, 3.0).ttft_s < scaled.ttft_s  # a shorter prompt: a tighter TTFT
+
+
 @pytest.mark.parametrize("scale,met", [(1.001, True), (0.999, False)])
 def test_a_lone_request_meets_a_scale_just_above_one_and_misses_just_below(cm, scale, met):
     trace = [TraceRequest(0.0, 5000, 20, SloClass.TIGHT)]  # no fixed tight target fits 5,000 tokens
