@@ -58,7 +58,7 @@ from disagg.core.policies.base import cached_prompt_tokens
 from disagg.core.predictor import BucketMeanPredictor
 from disagg.core.prefix_index import PrefixIndex, prompt_block_hashes
 from disagg.core.ttft_estimator import TtftEstimateError, peer_shares
-from disagg.core.types import PREFIX_BLOCK_TOKENS, InstanceView, NoCapacity, RequestFeatures, Role, SloClass
+from disagg.core.types import PREFIX_BLOCK_TOKENS, InstanceView, NoCapacity, Role, SloClass
 from disagg.core.utility import AccuracyTable, Choice
 from serve_app.engine_calls import bad_request, decided_on, last_line, refusal
 from serve_app.flight import Flight
@@ -258,10 +258,7 @@ class Dispatcher:
         output_tokens = f.predicted * f.n  # n samples: n times the decode work
         if index is not None:
             f.prefix_hashes = prompt_block_hashes(f.prompt_ids, index.block_tokens)
-        own = f.target() if f.slo_scale is not None else None  # targets that scale with the request (X-SLO-Scale)
-        feats = RequestFeatures(f.rid, p, output_tokens, f.slo, prefix_hashes=f.prefix_hashes,
-                                prefix_block_tokens=index.block_tokens if index is not None else PREFIX_BLOCK_TOKENS,
-                                ttft_target_s=own.ttft_s if own else None, tpot_target_s=own.tpot_s if own else None)
+        feats = f.features(output_tokens, index.block_tokens if index is not None else PREFIX_BLOCK_TOKENS)
         t0, cpu0, f.decided_at = time.perf_counter(), time.thread_time(), time.time()
         decode_views = self.registry.views(m, m.decode_role)
         if f.choice is not None and m.start_role is Role.PREFILL:  # the alias chose the prefill engine

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg.core.cost_model import SloTarget
-from disagg.core.types import Decision, SloClass
+from disagg.core.types import Decision, RequestFeatures, SloClass
 from disagg.core.utility import Choice
 from serve_app.messages import EngineTimeline, OutputDelta
 from serve_app.router_text import RouterText
@@ -89,6 +89,15 @@ class Flight:
     def generated_total(self) -> int:
         """Output tokens relayed so far, every sample's."""
         return len(self.output_ids) + self.other_samples_tokens
+
+    def features(self, output_tokens: int, block_tokens: int) -> RequestFeatures:
+        """What its model's P/D policy knows of it: the exact prompt length, `output_tokens` predicted,
+        its class, its prefix's block hashes (`block_tokens` each) and, with X-SLO-Scale, its own
+        targets."""
+        own = self.target() if self.slo_scale is not None else None
+        return RequestFeatures(self.rid, len(self.prompt_ids), output_tokens, self.slo,
+                               prefix_hashes=self.prefix_hashes, prefix_block_tokens=block_tokens,
+                               ttft_target_s=own.ttft_s if own else None, tpot_target_s=own.tpot_s if own else None)
 
     def target(self) -> SloTarget:
         """Its latency targets on its model's fleet: its class's, or (X-SLO-Scale) that many times its
