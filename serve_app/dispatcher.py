@@ -450,10 +450,10 @@ class Dispatcher:
         if error is None:
             self._note_output(f)
         self.flights.pop(f.rid, None)
-        record = request_record(f, error, time.monotonic(), self.multi_model, self.router_id)
+        target = f.target() if f.model is not None else None  # what it was priced and is counted against
+        record = request_record(f, error, time.monotonic(), self.multi_model, self.router_id, target)
         self.log.write(record)
-        if f.model is not None:
-            target = f.target()
+        if target is not None:
             if error is None:
                 count_served(self.window, record, target, f.model.cost_model.engine)
             if self.metrics is not None:

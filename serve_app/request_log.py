@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from disagg.core.cost_model import SloTarget
 from serve_app.flight import Flight
 
 
@@ -53,11 +54,11 @@ class RequestLog:
             f.write(line)
 
 
-def request_record(f: Flight, error: str | None, now: float, multi_model: bool, router: str = "") -> dict:
+def request_record(f: Flight, error: str | None, now: float, multi_model: bool, router: str = "",
+                   target: SloTarget | None = None) -> dict:
     """The log line of a finished request: `error` None when served, `now` the monotonic time it
     finished; `multi_model`: also name the requested and the serving model; `router`: the router
-    replica that routed it."""
-    target = f.target() if f.model is not None else None  # what it was priced and counted against
+    replica that routed it; `target`: its latency targets (`Flight.target`), None before it had a model."""
     record = {
         "id": f.response_id or f.rid, "prompt_index": f.prompt_index, "time": time.time(), "router": router,
         "slo_class": f.slo.value, "slo_scale": f.slo_scale,

@@ -107,19 +107,21 @@ async def check_constants(probe: Callable[[dict], Awaitable[dict]], cm: CostMode
     """Probe every instance (`probe(body)` is the `/admin/probe` call) and judge `cm` by it; a
     failed judgement is taken again after each pause of `pauses_s` (default `PAUSES_S`), and the
     first attempt that fits (else the last) is the verdict, carrying the earlier attempts' ratios."""
-    pauses_s = PAUSES_S if pauses_s is None else pauses_s
     earlier: list[dict[str, float]] = []
-    for attempt, pause in enumerate((0.0, *pauses_s)):
-        if attempt:
-            log(f"measured ÷ predicted is {_ratios_text(earlier[-1])}, outside {1 / TOLERANCE:.2f}–{TOLERANCE:.2f}×: "
-                f"probing again in {pause:g} s, in case the host was in a slow spell")
-            await asyncio.sleep(pause)
-        verdict = await _probe_and_judge(probe, cm, instances, max_model_len, max_num_seqs,
-                                         seed * 1_000_003 + attempt * 100_003)
-        if verdict.fits or attempt == len(pauses_s):
+
+    async def attempt() -> Verdict:
+        return await _probe_and_judge(probe, cm, instances, max_model_len, max_num_seqs,
+                                      seed * 1_000_003 + len(earlier) * 100_003)  # fresh prompts each attempt
+
+    for pause in PAUSES_S if pauses_s is None else pauses_s:
+        verdict = await attempt()
+        if verdict.fits:
             return replace(verdict, earlier=tuple(earlier))
         earlier.append(verdict.ratios)
-    raise AssertionError("unreachable: the last attempt returns")
+        log(f"measured ÷ predicted is {_ratios_text(verdict.ratios)}, outside {1 / TOLERANCE:.2f}–{TOLERANCE:.2f}×: "
+            f"probing again in {pause:g} s, in case the host was in a slow spell")
+        await asyncio.sleep(pause)
+    return replace(await attempt(), earlier=tuple(earlier))  # the last attempt's verdict, fitting or not
 
 
 async def _probe_and_judge(probe: Callable[[dict], Awaitable[dict]], cm: CostModel, instances: list[str],
