@@ -14,7 +14,9 @@ each instance (the fit shared by the instances of typical speed), and `own`, eac
 own fit alone (what `fit_fleet` gave before instances shared a fit). With `--compare FILE` (a
 cost model, e.g. from `disagg calibrate --config`, measured on engines started apart from the
 app), the same held-out samples are also predicted by that file's constants, so the two kinds of
-calibration are judged on one set of measurements. Prints medians and ranges over the runs.
+calibration are judged on one set of measurements. With two runs or more, `stability` judges
+every run's fit by the typical time of each point over all runs (see `stability`). Prints medians
+and ranges over the runs.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import sys
 import time
 
 from calibration.fit import fit_fleet, held_out_error
-from calibration.live import calibrate_fleet
+from calibration.live import LivePlan, calibrate_fleet
 from disagg.bench.script import write_result
-from disagg.core.cost_model import CostModel
+from disagg.core.cost_model import CostModel, EngineConstants
 from disagg.stats import percentile
 
 
@@ -49,7 +51,11 @@ def one_run(url: str, quick: bool, pause_s: float, seed: int, compare: CostModel
                "predicted_s": {k: {"prefill": e_.prefill_s(int(max(x.x for x in s.prefill))),
                                    "decode": e_.decode_token_s(int(max(x.x for x in s.decode)))}
                                for k, e_ in (("priced", f.engine), ("own", own))},
-               "tau_pre_s": own.prefill_token_s, "step_base_s": own.step_base_s, "decode_seq_s": own.decode_seq_s}
+               "tau_pre_s": own.prefill_token_s, "step_base_s": own.step_base_s, "decode_seq_s": own.decode_seq_s,
+               "priced_engine": f.engine.model_dump(mode="json"),
+               # the measurements themselves: `stability` judges every run's fit by every run's probes
+               "samples": {k: [[x.x, x.seconds] for x in getattr(s, k)]
+                           for k in ("prefill", "decode", "held_out_prefill", "held_out_decode")}}
         if compare is not None:
             row["compare"] = held_out_error(compare.engine, s.held_out_prefill, s.held_out_decode)
         out["instances"][iid] = row
@@ -57,6 +63,38 @@ def one_run(url: str, quick: bool, pause_s: float, seed: int, compare: CostModel
         rel = [x for r in out["instances"].values() for x in r[kind]["rel_errors"]]
         out[kind] = {"median_rel_error": statistics.median(rel), "p90_rel_error": percentile(rel, 90), "n": len(rel)}
     return out
+
+
+def stability(runs: list[dict]) -> dict:
+    """How far each run's fit lies from what every run measured: per probed point (prefill length,
+    decode concurrency, fitted and held-out alike), the median of all runs' samples of every
+    instance (alike instances, one host) is the point's typical time; each run's priced constants
+    of each instance are judged against it. A fit that holds still from one run to the next has a
+    small error here and a max/min near 1, whatever the noise of any single run's held-out points."""
+    seen: dict[tuple[str, float], list[float]] = {}
+    for r in runs:
+        for c in r["instances"].values():
+            for kind, xs in c["samples"].items():
+                for x, seconds in xs:
+                    seen.setdefault((kind.removeprefix("held_out_"), x), []).append(seconds)
+    typical = {k: statistics.median(v) for k, v in seen.items()}
+    errors: list[float] = []
+    predicted: dict[tuple[str, float], list[float]] = {k: [] for k in typical}
+    for r in runs:
+        for c in r["instances"].values():
+            e = EngineConstants.model_validate(c["priced_engine"])
+            for (kind, x), t in typical.items():
+                p = e.prefill_s(int(x)) if kind == "prefill" else e.decode_token_s(int(x))
+                errors.append(abs(p / t - 1.0))
+                predicted[(kind, x)].append(p)
+    span = {kind: statistics.median(max(v) / min(v) for (k, _), v in predicted.items() if k == kind)
+            for kind in ("prefill", "decode")}
+    # what even constants that knew each point's typical time would miss one probe by: the host's
+    # own repeatability, a floor under any estimator's per-request error on it
+    floor = {kind: statistics.mean(abs(x / typical[(k, n)] - 1.0) for (k, n), xs in seen.items() if k == kind
+                                   for x in xs) for kind in ("prefill", "decode")}
+    return {"median_rel_error": statistics.median(errors), "p90_rel_error": percentile(errors, 90),
+            "max_over_min": span, "repeatability_mape": floor, "points": len(typical)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +127,15 @@ def main(argv: list[str] | None = None) -> int:
             xs = [c["predicted_s"][k][what] * 1e3 for r in runs for c in r["instances"].values()]
             print(f"{k}: predicted {what} (longest prompt / biggest batch probed) over every instance and run: "
                   f"{spread(xs)} ms, max/min {max(xs) / min(xs):.2f}")
+    if len(runs) > 1:
+        steady = stability(runs)
+        print(f"stability: each run's fit against the median of every run's probes ({steady['points']} points): "
+              f"median {steady['median_rel_error']:.1%}, p90 {steady['p90_rel_error']:.1%}; "
+              f"predictions' max/min over runs (median over points): prefill {steady['max_over_min']['prefill']:.2f}, "
+              f"decode {steady['max_over_min']['decode']:.2f}")
+        print(f"repeatability: one probe's error against its point's typical time (mean): prefill (a median of "
+              f"{LivePlan.for_context(2048, 64, True).prefill_repeats} back to back) "
+              f"{steady['repeatability_mape']['prefill']:.1%}, decode {steady['repeatability_mape']['decode']:.1%}")
     for iid in runs[0]["instances"]:
         cells = [r["instances"][iid] for r in runs if iid in r["instances"]]
         errs = "; ".join(f"{k} {spread([c[k]['median_rel_error'] * 100 for c in cells])} %" for k in kinds)
@@ -97,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{spread([c['tau_pre_s'] * 1e6 for c in cells])} µs/token, own step base "
               f"{spread([c['step_base_s'] * 1e3 for c in cells])} ms; held-out median error: {errs}")
     if args.json:
-        write_result(args.json, {"runs": runs, "quick": args.quick, "pause_s": args.pause_s, "compare": args.compare})
+        write_result(args.json, {"runs": runs, "quick": args.quick, "pause_s": args.pause_s, "compare": args.compare,
+                                 "stability": stability(runs) if len(runs) > 1 else None})
     return 0
 
 

@@ -73,9 +73,12 @@ class LivePlan:
     rather than bending one curve; a prefill sample is the median of `prefill_repeats` lone
     prefills run back to back in the engine replica (they take milliseconds each, and the machine's
     noise is of their size). A held-out point's measured time is the median of its
-    `held_out_rounds`, more than the fitted points get: one round of a lone probe on a shared
-    host strays 4–10% from its typical time, so a median of two would judge the constants mostly
-    by that noise. They are few points, so the extra rounds cost seconds."""
+    `held_out_rounds`, more than the fitted points get: a lone probe on a shared 2-core host strays
+    15–25% from its typical time, so a median of two would judge the constants mostly by that
+    noise. Its rounds are spread over the fitted points' rounds, so the held-out points are
+    measured in the same minute as the points they judge: a host drifts by more than that noise
+    from one half-minute to the next (docs/calibration.md), and a held-out set taken after the
+    fitted points would judge the drift. They are few points, so the extra rounds cost seconds."""
 
     prefill_lengths: tuple[int, ...]
     held_out_lengths: tuple[int, ...]
@@ -92,8 +95,12 @@ class LivePlan:
         conc = tuple(c for c in ((1, 4, 16) if quick else (1, 4, 16, 32)) if c <= max_num_seqs)
         held_c = tuple(c for c in ((3,) if quick else (3, 12)) if c <= max_num_seqs)
         held = p.held_out_lengths if quick else Plan.for_context(max_model_len, max_num_seqs, False).held_out_lengths
-        return cls(p.prefill_lengths, held, conc, held_c, rounds=2 if quick else 3, held_out_rounds=6,
+        return cls(p.prefill_lengths, held, conc, held_c, rounds=3, held_out_rounds=6,
                    prefill_repeats=3, decode_tokens=16)
+
+    def held_out_in_round(self, r: int) -> int:
+        """How often each held-out point is measured in round r: `held_out_rounds` spread evenly."""
+        return self.held_out_rounds // self.rounds + (r < self.held_out_rounds % self.rounds)
 
     def steps(self) -> int:
         return (self.rounds * (len(self.prefill_lengths) + len(self.concurrencies))
@@ -133,12 +140,13 @@ class LiveCalibrator:
         p = self.plan
         await self._probe(instance, "prefill", p.prefill_lengths[0])  # unmeasured: an idle engine wakes up first
         points = [("prefill", n, False) for n in p.prefill_lengths] + [("prefill", n, True) for n in p.held_out_lengths]
-        points += [("decode", b, False) for b in p.concurrencies] + [("decode", b, True) for b in p.held_out_concurrencies]
+        points += [("decode", b, False) for b in p.concurrencies]
+        points += [("decode", b, True) for b in p.held_out_concurrencies]
         seen: dict[tuple, list[float]] = {pt: [] for pt in points}
-        every = max(p.rounds, p.held_out_rounds)
-        for r in range(every):
-            due = tuple(pt for pt in points if r < (p.held_out_rounds if pt[2] else p.rounds))
-            for pt in rotated(due, r * max(1, len(due) // every)):
+        for r in range(p.rounds):
+            held = p.held_out_in_round(r)  # a held-out point's copies go to different places of the round
+            due = tuple(pt for copy in range(max(1, held)) for pt in points if copy < (held if pt[2] else 1))
+            for pt in rotated(due, r * max(1, len(due) // p.rounds)):
                 seen[pt].append(await self._probe(instance, pt[0], pt[1]))
                 progress(1)
 

@@ -174,7 +174,7 @@ def test_the_driver_follows_the_plan_pauses_after_every_probe_and_fits_what_it_m
     assert {b["instance"] for _, b in probes.calls} == {"decode-2"}
     assert len({b["seed"] for _, b in probes.calls}) == n  # every probe's prompt is new: no prefix-cache hits
     # one unmeasured wake-up, then every fitted point once per round, every held-out point in more rounds
-    assert n == 1 + PLAN.steps() and 2 <= PLAN.rounds < PLAN.held_out_rounds
+    assert n == 1 + PLAN.steps() and 3 <= PLAN.rounds < PLAN.held_out_rounds
     assert sorted(x.x for x in s.prefill) == sorted(PLAN.prefill_lengths * PLAN.rounds)
     assert sorted(x.x for x in s.decode) == sorted(PLAN.concurrencies * PLAN.rounds)
     asked = [(b["kind"], b["size"]) for _, b in probes.calls[1:]]
@@ -186,10 +186,21 @@ def test_the_driver_follows_the_plan_pauses_after_every_probe_and_fits_what_it_m
     assert s.kv_capacity_tokens == 1234
     assert all(b["tokens"] == PLAN.decode_tokens for _, b in probes.calls if b["kind"] == "decode")
     assert all(b["repeats"] == PLAN.prefill_repeats for _, b in probes.calls if b["kind"] == "prefill")
-    # rounds visit the points in different orders, so a slow spell does not land on one point
-    per_round = len(PLAN.prefill_lengths + PLAN.held_out_lengths + PLAN.concurrencies + PLAN.held_out_concurrencies)
-    assert asked[:per_round] != asked[per_round:2 * per_round]
-    assert sorted(asked[:per_round]) == sorted(asked[per_round:2 * per_round])
+    # every round measures each fitted point once and the held-out points in their share of rounds,
+    # so the held-out set is taken in the same minute as the points it judges; rounds visit the points
+    # in different orders, so a slow spell does not land on one point
+    fitted = [("prefill", n) for n in PLAN.prefill_lengths] + [("decode", c) for c in PLAN.concurrencies]
+    held = [("prefill", n) for n in PLAN.held_out_lengths] + [("decode", c) for c in PLAN.held_out_concurrencies]
+    rounds, at = [], 0
+    for r in range(PLAN.rounds):
+        size = len(fitted) + len(held) * PLAN.held_out_in_round(r)
+        rounds.append(asked[at:at + size])
+        at += size
+    assert at == len(asked) and PLAN.rounds >= 3
+    for r, got in enumerate(rounds):
+        assert sorted(got) == sorted(fitted + held * PLAN.held_out_in_round(r))
+        assert PLAN.held_out_in_round(r) >= 1
+    assert rounds[0] != rounds[1]
     cm, fits = fit_fleet({"decode-2": s}, BASE, "live", "tiny:tiny", 0.0, "t")
     assert cm.for_instance("decode-2").decode_seq_s == pytest.approx(SLOW["tau_seq"], rel=1e-6)
     assert fits["decode-2"].held_out["median_rel_error"] < 1e-6
