@@ -44,6 +44,7 @@ from pathlib import Path
 from disagg.bench.harness import BenchConfig, run_bench
 from disagg.bench.refit import app_refit, before_run
 from disagg.bench.script import write_result
+from disagg.sim.runner import attainment_crossing
 from disagg.user_input import resolve_trace
 
 
@@ -90,39 +91,51 @@ def trace_spec(text: str) -> tuple[str, float]:
     return name, attainment
 
 
-def capacity_summary(per_repeat: list[dict[str, dict]], policies: list[str], ours: list[str]) -> dict:
-    """{trace: {policies: {...}, ratio: {...}}} from each repeat's {trace: capacity results}
-    (`resolved["capacity"][trace]` of `run_bench`); `ours` are policy names, a spec with parameters
-    (`slo_goodput:allow_hosted=false`) counts under its name. A search that never passed counts as
-    0 req/s."""
+def capacity_summary(per_repeat: list[dict[str, dict]], policies: list[str], ours: list[str],
+                     attainment: dict[str, float]) -> dict:
+    """{trace: {policies: {...}, ratio: {...}, crossing_ratio: {...}}} from each repeat's {trace:
+    capacity results} (`resolved["capacity"][trace]` of `run_bench`); `ours` are policy names, a
+    spec with parameters (`slo_goodput:allow_hosted=false`) counts under its name; `attainment`
+    is each trace's target share. Two readings of every search: `capacity_rps`, the highest probed
+    rate that passed (on the search's grid), and `crossing_rps`, where the attainment crosses the
+    target between the final bracket's probes (`attainment_crossing`, read from the stored probes,
+    so older runs get it too). A search that never passed counts as 0 req/s in both."""
     out: dict[str, dict] = {}
     for repeat in per_repeat:
         for trace, found in repeat.items():
             cells = out.setdefault(trace, {"policies": {}})["policies"]
             for policy in policies:
                 f = found.get(policy) or {}
-                c = cells.setdefault(policy, {"capacity_rps": [], "bracketed": []})
+                c = cells.setdefault(policy, {"capacity_rps": [], "crossing_rps": [], "bracketed": []})
                 c["capacity_rps"].append(f.get("capacity_rps") or 0.0)
+                crossing = (attainment_crossing(f["probes"], f["bracket"], attainment[trace])
+                            if f.get("probes") else None)
+                c["crossing_rps"].append(crossing or f.get("capacity_rps") or 0.0)
                 c["bracketed"].append(bool(f.get("bracketed")))
     for trace, t in out.items():
         cells = t["policies"]
         for c in cells.values():
-            caps = c["capacity_rps"]
-            c["median_rps"] = statistics.median(caps)
-            c["range_rps"] = [min(caps), max(caps)]
+            for reading in ("capacity", "crossing"):
+                caps = c[f"{reading}_rps"]
+                c[f"{reading}_median_rps" if reading == "crossing" else "median_rps"] = statistics.median(caps)
+            c["range_rps"] = [min(c["capacity_rps"]), max(c["capacity_rps"])]
         mine = [p for p in policies if p.partition(":")[0] in ours]  # a name, with or without parameters
         others = [p for p in policies if p not in mine]
         if not mine or not others:
             continue
-        best = max(mine, key=lambda p: cells[p]["median_rps"])
-        rival = max(others, key=lambda p: cells[p]["median_rps"])
-        per = [(max(cells[p]["capacity_rps"][r] for p in mine), max(cells[p]["capacity_rps"][r] for p in others))
-               for r in range(len(per_repeat))]
-        t["ratio"] = {"ours": best, "best_other": rival,
-                      "of_medians": cells[best]["median_rps"] / cells[rival]["median_rps"]
-                      if cells[rival]["median_rps"] > 0 else None,
-                      "per_repeat": [a / b if b > 0 else None for a, b in per]}
+        t["ratio"] = _ratio(cells, mine, others, "capacity_rps", "median_rps", len(per_repeat))
+        t["crossing_ratio"] = _ratio(cells, mine, others, "crossing_rps", "crossing_median_rps", len(per_repeat))
     return out
+
+
+def _ratio(cells: dict, mine: list[str], others: list[str], key: str, median: str, repeats: int) -> dict:
+    """Our best policy against the best other, by one reading: of the medians and per repeat."""
+    best = max(mine, key=lambda p: cells[p][median])
+    rival = max(others, key=lambda p: cells[p][median])
+    per = [(max(cells[p][key][r] for p in mine), max(cells[p][key][r] for p in others)) for r in range(repeats)]
+    return {"ours": best, "best_other": rival,
+            "of_medians": cells[best][median] / cells[rival][median] if cells[rival][median] > 0 else None,
+            "per_repeat": [a / b if b > 0 else None for a, b in per]}
 
 
 def _print_capacity(result: dict, policies: list[str]) -> None:
@@ -132,13 +145,15 @@ def _print_capacity(result: dict, policies: list[str]) -> None:
             c = t["policies"][p]
             unbracketed = sum(not b for b in c["bracketed"])
             note = f"  ({unbracketed} not bracketed)" if unbracketed else ""
-            print(f"  {p:24s} {' '.join(f'{x:.3f}' for x in c['capacity_rps'])}  median {c['median_rps']:.3f}{note}")
-        r = t.get("ratio")
-        if r:
-            def fmt(x):
-                return "n/a" if x is None else f"{x:.2f}x"
-            print(f"  {r['ours']} / {r['best_other']}: {fmt(r['of_medians'])} of medians; per repeat "
-                  + " ".join(fmt(x) for x in r["per_repeat"]))
+            print(f"  {p:24s} {' '.join(f'{x:.3f}' for x in c['capacity_rps'])}  median {c['median_rps']:.3f}{note}; "
+                  f"crossing {' '.join(f'{x:.3f}' for x in c['crossing_rps'])}  median {c['crossing_median_rps']:.3f}")
+
+        def fmt(x):
+            return "n/a" if x is None else f"{x:.2f}x"
+        for reading, key in (("grid", "ratio"), ("crossing", "crossing_ratio")):
+            if r := t.get(key):
+                print(f"  {reading}: {r['ours']} / {r['best_other']}: {fmt(r['of_medians'])} of medians; per repeat "
+                      + " ".join(fmt(x) for x in r["per_repeat"]))
 
 
 def log(message: str) -> None:
@@ -151,6 +166,7 @@ def run_capacity(args, policies: list[str], out: Path) -> int:
     per_repeat = []
     refit = app_refit(args.url, Path(args.refit), log) if args.refit else None
     simulated: dict[str, dict] = {}  # trace → policy → the simulator's capacity with the same constants
+    targets: dict[str, float] = {}  # trace (as the bench names it) → its attainment target
     for r in range(args.repeats):
         order = rotated(policies, r)
         print(f"[repeats] capacity, repeat {r + 1}/{args.repeats}: {', '.join(order)}", file=sys.stderr, flush=True)
@@ -170,10 +186,12 @@ def run_capacity(args, policies: list[str], out: Path) -> int:
             done = before_run(cfg.out, refit, log) if refit is not None else None
             resolved = (done or run_bench(cfg))["resolved"]
             found.update(resolved["capacity"])
+            targets.update(dict.fromkeys(resolved["capacity"], attainment))
             for trace, caps in (resolved.get("capacity_sim") or {}).items():
                 simulated[trace] = {p: c.get("capacity_rps") for p, c in caps.items()}
         per_repeat.append(found)
-    result = {"settings": vars(args), "traces": capacity_summary(per_repeat, policies, ours), "simulated": simulated}
+    result = {"settings": vars(args), "traces": capacity_summary(per_repeat, policies, ours, targets),
+              "simulated": simulated}
     write_result(out / "summary.json", result)
     _print_capacity(result["traces"], policies)
     for trace, caps in simulated.items():

@@ -20,7 +20,11 @@ SLO capacity (DistServe's measure) of a policy: the highest arrival rate at whic
 1. probe the trace's own mean rate; if it meets the attainment, double the rate until one does
    not, else halve it until one does — at most `max_doublings` times either way;
 2. bisect on log(rate) between the highest passing and the lowest failing rate, `steps` times;
-3. the capacity is the highest probed rate that passed (a lower bound, within the final bracket).
+3. the capacity is the highest probed rate that passed (a lower bound, within the final bracket);
+   `crossing_rps` is where the attainment, taken as linear in log(rate) between the final
+   bracket's two probes, crosses the target (`attainment_crossing`). The grid's step, 2^(2^-steps)
+   (1.19× at 2 steps), is the bracket reading's resolution, too coarse to judge a 1.2× win by; the
+   crossing reads between its points from the same probes.
 Each probe runs the same requests and SLO classes (same seed) rescaled to the probed rate, so the
 search is deterministic. Bisection assumes attainment falls as the rate rises; a trace too short
 to be past its warm-up may not, and the result is then one of the crossings.
@@ -189,6 +193,22 @@ def saturation_search(goodput: Callable[[float], float], own: float, iterations:
 CAPACITY_MAX_DOUBLINGS = 6  # the bracket reaches 64× above or below the trace's own rate
 
 
+def attainment_crossing(probes: Sequence[Sequence[float]], bracket: Sequence[float | None],
+                        attainment: float) -> float | None:
+    """The rate where the attainment crosses `attainment` inside the final bracket [lo, hi] of a
+    capacity search, linear in log(rate) between the attainments probed at lo and hi (the last
+    probe of each, as the search judged them). None when the search did not bracket; lo when the
+    failing side measured nothing (NaN)."""
+    lo, hi = bracket
+    if not lo or hi is None:
+        return None
+    at_lo = next(a for r, a in reversed(probes) if r == lo)
+    at_hi = next(a for r, a in reversed(probes) if r == hi)
+    if not math.isfinite(at_hi) or at_lo <= at_hi:
+        return lo
+    return lo * (hi / lo) ** ((at_lo - attainment) / (at_lo - at_hi))
+
+
 def capacity_steps(start_rps: float, attainment: float, steps: int,
                    max_doublings: int = CAPACITY_MAX_DOUBLINGS):
     """The SLO-capacity search (module doc) as a generator: it yields the rates to probe, is sent
@@ -196,8 +216,9 @@ def capacity_steps(start_rps: float, attainment: float, steps: int,
     the same reason as `saturation_steps`: the search does not care who measures.
 
     Result: `capacity_rps` (highest passing rate, None if none passed), `bracket` [highest
-    passing or 0, lowest failing or None], `bracketed` (a pass and a fail were both seen) and
-    `probes` ([rate, attainment] in probing order). At most 1 + max_doublings + steps probes."""
+    passing or 0, lowest failing or None], `bracketed` (a pass and a fail were both seen),
+    `crossing_rps` (`attainment_crossing`, None unless bracketed) and `probes` ([rate, attainment]
+    in probing order). At most 1 + max_doublings + steps probes."""
     if not (math.isfinite(start_rps) and start_rps > 0):
         raise ValueError(f"start rate: expected a positive finite requests/s, got {start_rps!r}")
     if not 0.0 < attainment <= 1.0:
@@ -228,7 +249,7 @@ def capacity_steps(start_rps: float, attainment: float, steps: int,
         else:
             hi = rate
     return {"capacity_rps": lo, "bracket": [lo or 0.0, hi], "bracketed": lo is not None and hi is not None,
-            "probes": probes}
+            "crossing_rps": attainment_crossing(probes, [lo, hi], attainment), "probes": probes}
 
 
 def find_capacity(

@@ -31,7 +31,8 @@ def test_capacity_summary_takes_medians_and_our_best_against_the_best_other():
         {"conv": _found(round_robin=1.2, colocated=1.0, slo_goodput=1.8)},
         {"conv": _found(round_robin=0.8, colocated=None, slo_goodput=2.4)},
     ]
-    out = repeats.capacity_summary(per_repeat, ["round_robin", "colocated", "slo_goodput"], ["slo_goodput"])
+    out = repeats.capacity_summary(per_repeat, ["round_robin", "colocated", "slo_goodput"], ["slo_goodput"],
+                                   {"conv": 0.9})
     cells = out["conv"]["policies"]
     assert cells["colocated"]["capacity_rps"] == [1.5, 1.0, 0.0]  # never passed: 0 req/s, and said so
     assert cells["colocated"]["bracketed"] == [True, True, False]
@@ -45,12 +46,32 @@ def test_capacity_summary_takes_medians_and_our_best_against_the_best_other():
 
 def test_no_ratio_without_both_sides():
     out = repeats.capacity_summary([{"t": _found(round_robin=1.0, least_loaded=2.0)}],
-                                   ["round_robin", "least_loaded"], ["slo_goodput"])
+                                   ["round_robin", "least_loaded"], ["slo_goodput"], {"t": 0.9})
     assert "ratio" not in out["t"] and out["t"]["policies"]["least_loaded"]["median_rps"] == 2.0
 
 
 def test_a_policy_with_parameters_counts_under_its_name():
     spec = "slo_goodput:allow_hosted=false"
     out = repeats.capacity_summary([{"t": _found(round_robin=1.0, **{spec: 1.5})}], ["round_robin", spec],
-                                   ["slo_goodput"])
+                                   ["slo_goodput"], {"t": 0.9})
     assert out["t"]["ratio"]["ours"] == spec and out["t"]["ratio"]["of_medians"] == pytest.approx(1.5)
+
+
+def test_the_crossing_is_read_from_each_searchs_stored_probes_and_ratioed_like_the_grid():
+    def search(lo, at_lo, hi, at_hi):
+        return {"capacity_rps": lo, "bracket": [lo, hi], "bracketed": True, "probes": [[lo, at_lo], [hi, at_hi]]}
+    per_repeat = [{"t": {"colocated": search(1.0, 0.80, 2.0, 0.70), "slo_goodput": search(1.0, 0.90, 2.0, 0.70)}},
+                  {"t": {"colocated": search(1.0, 0.76, 2.0, 0.74), "slo_goodput": search(2.0, 0.76, 4.0, 0.74)}}]
+    out = repeats.capacity_summary(per_repeat, ["colocated", "slo_goodput"], ["slo_goodput"], {"t": 0.75})
+    cells = out["t"]["policies"]
+    # at 0.75 between 0.80 at 1 and 0.70 at 2: halfway in log(rate); between 0.90 and 0.70: 3/4 of the way
+    assert cells["colocated"]["crossing_rps"] == pytest.approx([2 ** 0.5, 2 ** 0.5])
+    assert cells["slo_goodput"]["crossing_rps"] == pytest.approx([2 ** 0.75, 2 * 2 ** 0.5])
+    assert out["t"]["ratio"]["per_repeat"] == pytest.approx([1.0, 2.0])  # the grid cannot tell the first apart
+    assert out["t"]["crossing_ratio"]["per_repeat"] == pytest.approx([2 ** 0.25, 2.0])
+    assert out["t"]["crossing_ratio"]["of_medians"] == pytest.approx(
+        cells["slo_goodput"]["crossing_median_rps"] / cells["colocated"]["crossing_median_rps"])
+    # a search with no probes stored (never passed) reads as its grid value, 0 req/s
+    out = repeats.capacity_summary([{"t": _found(colocated=None, slo_goodput=1.0)}], ["colocated", "slo_goodput"],
+                                   ["slo_goodput"], {"t": 0.75})
+    assert out["t"]["policies"]["colocated"]["crossing_rps"] == [0.0]

@@ -10,7 +10,7 @@ import pytest
 
 from disagg.cli import main
 from disagg.core.cost_model import load_profile
-from disagg.sim.runner import capacity_steps, find_capacity, prepare_trace, simulate
+from disagg.sim.runner import attainment_crossing, capacity_steps, find_capacity, prepare_trace, simulate
 from disagg.sim.simulator import Topology
 from disagg.sim.traces import write_native
 from disagg.sim.workloads import generate
@@ -79,6 +79,30 @@ def test_attainment_exactly_at_the_target_passes_and_nan_fails():
     assert 2.0 <= res["capacity_rps"] <= 3.0
     res, _ = drive(lambda r: math.nan, 1.0, max_doublings=2)
     assert res["capacity_rps"] is None
+
+
+def test_the_crossing_reads_a_linear_curve_between_the_grid_points():
+    # attainment falls linearly in log2(rate): 0.95 at 1 req/s, 0.75 at 4; the target 0.8 is at 2^1.5
+    def curve(rate):
+        return 0.95 - 0.1 * math.log2(rate)
+    res, _ = drive(curve, 1.0, attainment=0.8, steps=2)
+    lo, hi = res["bracket"]
+    assert hi / lo == pytest.approx(2 ** 0.25)  # the grid's step at 2 steps: 1.19x
+    assert lo <= res["crossing_rps"] < hi
+    assert res["crossing_rps"] == pytest.approx(2 ** 1.5)  # exact on a curve linear in log(rate)
+    assert res["capacity_rps"] == lo < 2 ** 1.5  # the grid reading sits up to a step below it
+
+
+def test_no_crossing_without_a_bracket_and_the_lower_end_when_the_failing_side_measured_nothing():
+    res, _ = drive(cliff(1e9), 2.0, max_doublings=3)
+    assert res["crossing_rps"] is None
+    res, _ = drive(cliff(1e-9), 2.0, max_doublings=3)
+    assert res["crossing_rps"] is None
+    res, _ = drive(lambda r: 1.0 if r <= 1.5 else math.nan, 1.0, steps=0)
+    assert res["crossing_rps"] == res["capacity_rps"] == 1.0
+    # the last probe of a rate is the one the search judged it by
+    probes = [[1.0, 0.95], [2.0, 0.7], [1.0, 0.9]]
+    assert attainment_crossing(probes, [1.0, 2.0], 0.8) == pytest.approx(2 ** 0.5)
 
 
 @pytest.mark.parametrize("kwargs", [dict(start_rps=0.0), dict(start_rps=math.inf), dict(attainment=0.0),
