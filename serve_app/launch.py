@@ -249,10 +249,11 @@ class LocalStack:
         return fitted
 
     def _ray_env(self) -> dict[str, str]:
-        """What every process of this stack's Ray inherits: its stack id, and its runtime folder, under
-        which each engine keeps its IPC sockets (removed with the folder at stop, even an engine's that
-        was killed)."""
-        return {**_env(), STACK_ID_VAR: self.stack_id, RUNTIME_DIR_VAR: str(runtime_dir(self.stack_id))}
+        """What every process of this stack's Ray inherits: its stack id, its runtime folder, under
+        which each engine keeps its IPC sockets, and its HAProxy folder (both removed at stop, even
+        where a process was killed); the environment may set HAProxy's paths itself."""
+        return {**haproxy_env(self.stack_id), **_env(), STACK_ID_VAR: self.stack_id,
+                RUNTIME_DIR_VAR: str(runtime_dir(self.stack_id))}
 
     def _prepare_models(self, apps=None) -> None:
         """Build the offline tiny models once here, rather than in every engine replica at once."""
@@ -425,11 +426,30 @@ class LocalStack:
             self.started_ray = False
             if self.stack_id is not None:
                 shutil.rmtree(runtime_dir(self.stack_id), ignore_errors=True)
+                shutil.rmtree(haproxy_dir(self.stack_id), ignore_errors=True)
 
 
 def runtime_dir(stack_id: str) -> Path:
     """The folder of one stack's engine runtime files (vLLM's IPC sockets)."""
     return Path(tempfile.gettempdir()) / f"disagg-{stack_id}"
+
+
+def haproxy_dir(stack_id: str) -> Path:
+    """The folder of one stack's HAProxy files: its config, admin and metrics sockets, server state
+    and logs, in a folder per node that Serve adds below it. Serve's default is one shared folder
+    in the system temp folder that nothing removes. Short: Serve appends a 56-character node id,
+    and a Unix socket's path must fit in 107 bytes."""
+    return Path(tempfile.gettempdir()) / f"disagg-haproxy-{stack_id[:12]}"
+
+
+def haproxy_env(stack_id: str) -> dict[str, str]:
+    """Serve's HAProxy paths (`ray.serve._private.constants`), all under `haproxy_dir`."""
+    d = haproxy_dir(stack_id)
+    return {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(d / "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(d / "admin.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(d),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(d / "server-state"),
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(d / "metrics.sock")}
 
 
 def vllm_temp_files() -> set[str]:

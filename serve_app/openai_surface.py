@@ -40,7 +40,7 @@ class RequestContext:
     """What one HTTP request adds to vLLM's request: the router's own headers and choices."""
 
     slo: SloClass
-    ttft_limit_s: float
+    ttft_limit_s: float | None  # the alias route's; None: `slo_scale` sets it once the prompt is rendered
     lam: float
     chat: bool
     requested_model: str = ""  # the `model` the client named

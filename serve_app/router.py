@@ -521,7 +521,10 @@ class Router:
             if e.status != 429:  # a shed request was valid: counted as shed_429 instead
                 self.counters.rejected_400 += 1
             return _error(e)
-        ctx = RequestContext(slo, limit_ms / 1e3 if limit_ms is not None else self._default_limit_s(slo),
+        # X-SLO-Scale without a limit: the alias's limit follows from the rendered prompt (`_choose_for_alias`)
+        limit_s = (limit_ms / 1e3 if limit_ms is not None else None if slo_scale is not None
+                   else self._default_limit_s(slo))
+        ctx = RequestContext(slo, limit_s,
                              self.lam if lam is None else lam, chat, requested_model=req.model,
                              fields=frozenset(req.model_fields_set), received=received, slo_scale=slo_scale)
         token = entered(ctx)
@@ -601,6 +604,8 @@ class Router:
             largest = max(m.cfg.model.max_model_len for m in targets)
             raise ApiError(f"no model's context window holds the prompt and max_tokens {req.max_tokens} "
                            f"(largest {largest})", param="messages" if ctx.chat else "prompt")
+        if ctx.ttft_limit_s is None:
+            ctx.ttft_limit_s = self._scaled_limit_s(prompts, ctx.slo, ctx.slo_scale)
         ctx.alias = self.dispatcher.choose_model(prompts, req.max_tokens, bool(req.ignore_eos), ctx.slo,
                                                  ctx.ttft_limit_s, ctx.lam)
         req.model = ctx.alias.choice.model
@@ -645,6 +650,14 @@ class Router:
             return SloClass.parse(raw)
         except ValueError as e:
             raise ApiError(str(e), param="X-SLO-Class") from None
+
+    def _scaled_limit_s(self, prompts: dict[str, list[int]], slo: SloClass, slo_scale: float) -> float:
+        """The alias's TTFT limit under `X-SLO-Scale`: that many times the request's unloaded TTFT on
+        the fastest model that holds it, each model's by its own constants and rendering. One limit
+        for every candidate, as the route compares them: a slower model is chosen only where it
+        still meets what the fastest could do, scaled."""
+        return min(self.served[name].cost_model.target_for(slo, len(ids), slo_scale).ttft_s
+                   for name, ids in prompts.items())
 
     def _default_limit_s(self, slo: SloClass) -> float:
         """The SLO class's TTFT target: the strictest among the models' cost models."""

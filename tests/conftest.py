@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def stack(tmp_path_factory):
     """The CPU profile (deployments/local.yaml) running for real: Ray on loopback, the router,
     1 prefill + 2 decode vLLM engines with NIXL. Started once per test session, stopped at the end."""
-    from serve_app.launch import LocalStack, engine_processes, runtime_dir, vllm_temp_files
+    from serve_app.launch import LocalStack, engine_processes, haproxy_dir, runtime_dir, vllm_temp_files
 
     if os.environ.get("DISAGG_STACK_URL"):  # develop against a stack already up (`make run`)
         url = os.environ["DISAGG_STACK_URL"]
@@ -27,6 +28,7 @@ def stack(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("stack")
     os.environ["DISAGG_RUN_DIR"] = str(run_dir)  # where the router writes its request log
     sockets_before = vllm_temp_files()  # the system temp folder's vLLM files before the stack
+    haproxy_before = _haproxy_default_entries()
     with LocalStack(ROOT / "deployments" / "local.yaml", log=lambda m: print(f"[stack] {m}", flush=True)) as s:
         s.run_dir = run_dir
         s.provoked = UNPROVOKED.copy()  # tests that cause a failure on purpose count it here (unprovoked.provoked)
@@ -49,6 +51,17 @@ def stack(tmp_path_factory):
     # every engine kept its IPC sockets in the stack's runtime folder, and the folder went with the stop
     assert not runtime_dir(s.stack_id).exists()
     assert not vllm_temp_files() - sockets_before, "engines left files in the system temp folder"
+    # HAProxy kept its sockets and logs in the stack's own folder, and the folder went with the stop
+    assert not haproxy_dir(s.stack_id).exists()
+    assert _haproxy_default_entries() == haproxy_before, "HAProxy wrote to Serve's shared default folder"
+
+
+def _haproxy_default_entries() -> set[str]:
+    """What Serve's default HAProxy folder holds (each node's folder), where the stack must not write."""
+    try:
+        return set(os.listdir(Path(tempfile.gettempdir()) / "haproxy-serve"))
+    except FileNotFoundError:
+        return set()
 
 
 def _set_policy(base_url: str, name: str) -> None:

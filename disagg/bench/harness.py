@@ -710,6 +710,17 @@ class Bench:
         self.target: Target | None = None
         self.shards: ClientShards | None = None
 
+    # what every live request of this run shares: its seed, its SLO scale, the judging constants --------
+
+    def _planned(self, slice_: Sequence[TraceRequest], trace: str, indices: Sequence[int] | None = None,
+                 stream: str | None = None) -> list[PlannedRequest]:
+        return planned(slice_, trace, self.cfg.seed, indices, stream=stream, slo_scale=self.cfg.slo_scale)
+
+    def _record(self, res: ClientResult, *, policy: str, trace: str, req: TraceRequest, rate: float,
+                system: str = LIVE) -> dict:
+        return live_record(res, policy=policy, trace=trace, req=req, cm=self.cm, rate=rate, system=system,
+                           slo_scale=self.cfg.slo_scale)
+
     # settings.json ------------------------------------------------------------------------------
 
     def _save_settings(self) -> None:
@@ -881,12 +892,11 @@ class Bench:
                                   tight_share=cfg.tight_share, seed=cfg.seed, max_len=self.resolved.get("max_model_len"))
                 await set_policy(c, "round_robin")
                 await reset_prefix_cache(c)
-                reqs = planned(s, t.name, cfg.seed, stream=f"{t.name}/probe", slo_scale=cfg.slo_scale)
+                reqs = self._planned(s, t.name, stream=f"{t.name}/probe")
                 results, _ = await run_open_loop(self.shards, self.target.model, reqs, timeout_s=cfg.request_timeout_s)
                 self.sent["probes"] += len(results)
-                recs = [to_request_record(live_record(r, policy="round_robin", trace=t.name, req=s[r.index],
-                                                      cm=self.cm, rate=rate, slo_scale=cfg.slo_scale))
-                        for r in results]
+                recs = [to_request_record(self._record(r, policy="round_robin", trace=t.name, req=s[r.index],
+                                                       rate=rate)) for r in results]
                 g = summarize(recs)["goodput"]
                 self.log(f"  probe {t.name} at {rate:.3f} req/s, {n} requests: round_robin goodput {g:.3f}")
                 return g
@@ -942,11 +952,11 @@ class Bench:
                           seed=cfg.seed, max_len=self.resolved.get("max_model_len"))
         await set_policy(c, policy)
         await reset_prefix_cache(c)
-        reqs = planned(s, t.name, cfg.seed, stream=f"{t.name}/capacity", slo_scale=cfg.slo_scale)
+        reqs = self._planned(s, t.name, stream=f"{t.name}/capacity")
         results, _ = await run_open_loop(self.shards, self.target.model, reqs, timeout_s=cfg.request_timeout_s)
         self.sent["probes"] += len(results)
-        recs = [to_request_record(live_record(r, policy=policy, trace=t.name, req=s[r.index], cm=self.cm, rate=rate,
-                                              slo_scale=cfg.slo_scale)) for r in results]
+        recs = [to_request_record(self._record(r, policy=policy, trace=t.name, req=s[r.index], rate=rate))
+                for r in results]
         got = summarize(recs)["goodput"]
         self.log(f"  probe {t.name} {policy} at {rate:.3f} req/s, {n} requests: {got:.3f} met their SLO")
         return got
@@ -998,11 +1008,11 @@ class Bench:
         bar = self.progress(len(pending), f"{policy[:11]}/{trace[:8]}")
 
         def on_result(res: ClientResult) -> None:
-            self.store.append(live_record(res, policy=policy, trace=trace, req=s[res.index], cm=self.cm, rate=rate,
-                                          system=system, slo_scale=self.cfg.slo_scale))
+            self.store.append(self._record(res, policy=policy, trace=trace, req=s[res.index], rate=rate,
+                                           system=system))
             bar(1)
 
-        reqs = planned(s, trace, self.cfg.seed, pending, slo_scale=self.cfg.slo_scale)
+        reqs = self._planned(s, trace, pending)
         results, stats = await run_open_loop(shards or self.shards, model or self.target.model, reqs,
                                              on_result=on_result, timeout_s=self.cfg.request_timeout_s)
         self.sent["runs"] += len(results)

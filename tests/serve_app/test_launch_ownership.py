@@ -1,11 +1,15 @@
-"""Teardown kills only the engines its own stack started, never another run's on the same machine."""
+"""Teardown kills only the engines its own stack started, never another run's on the same machine;
+a stack keeps its runtime files in folders of its own."""
 
 import os
 import subprocess
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
+from serve_app import launch
 from serve_app.launch import STACK_ID_VAR, engine_processes, stack_engines_left
 
 
@@ -98,3 +102,26 @@ def test_deploying_into_a_cluster_that_goes_away_fails_at_once(monkeypatch, tmp_
     monkeypatch.setattr(launch, "_get", lambda *a, **k: pytest.fail("no cluster: nothing to ask"))
     with pytest.raises(RuntimeError, match="went away before the app"):
         stack._wait_healthy("http://127.0.0.1:1", timeout_s=600)
+
+
+def test_haproxy_keeps_its_files_in_the_stacks_own_folder_within_the_socket_path_limit(monkeypatch):
+    stack_id = uuid.uuid4().hex
+    env = launch.haproxy_env(stack_id)
+    folder = launch.haproxy_dir(stack_id)
+    assert folder != launch.haproxy_dir(uuid.uuid4().hex)  # one folder per stack, removed at its stop
+    assert all(Path(v) == folder or Path(v).parent == folder for v in env.values())
+    assert set(env) >= {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH",
+                        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"}
+    # Serve puts each node's files in <folder>/<56-character node id>/; a Unix socket path holds 107 bytes
+    node_id = "f" * 56
+    for var in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"):
+        d, name = os.path.split(env[var])
+        assert len(os.path.join(d, node_id, name).encode()) <= 107
+    # the stack's Ray inherits them, unless the environment sets them itself
+    s = launch.LocalStack.__new__(launch.LocalStack)
+    s.stack_id = stack_id
+    for var in env:
+        monkeypatch.delenv(var, raising=False)
+    assert env.items() <= s._ray_env().items()
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_SOCKET_PATH", "/run/serve/admin.sock")
+    assert s._ray_env()["RAY_SERVE_HAPROXY_SOCKET_PATH"] == "/run/serve/admin.sock"

@@ -20,6 +20,7 @@ import yaml
 pytest.importorskip("ray.serve")
 from starlette.requests import Request  # noqa: E402
 
+from disagg.core.types import SloClass  # noqa: E402
 from serve_app.messages import DecodeChunk  # noqa: E402
 from factories import StandInPool, in_process_router  # noqa: E402
 from serve_app.router import Router  # noqa: E402
@@ -112,6 +113,30 @@ def test_a_disaggregated_model_behind_the_alias_prefills_on_the_chosen_engine():
         body, rt = await _complete(r, "auto", LONG, {"X-TTFT-Limit-Ms": "2000"})
         assert body["model"] == "small-qwen2" and rt["instance"] == rt["served_decode"] == "small-qwen2:both-s1"
     asyncio.run(run())
+
+
+def test_an_slo_scale_sets_the_alias_limit_from_the_fastest_models_unloaded_ttft(tmp_path):
+    log = tmp_path / "requests.jsonl"
+
+    async def run():
+        args = _args()
+        args["router"]["request_log"] = str(log)
+        tiny, small = _Pool("both", ["t1"]), _Pool("both", ["s1"])
+        r = await _router(args, {"tiny-qwen2": {"both": tiny}, "small-qwen2": {"both": small}})
+        await _complete(r, "auto", LONG, {"X-SLO-Scale": "3"})
+        await _complete(r, "auto", LONG, {"X-SLO-Scale": "3", "X-TTFT-Limit-Ms": "250"})  # the header wins
+        await _complete(r, "auto", LONG)  # neither: the class's target, as before
+        return r
+    r = asyncio.run(run())
+    scaled, explicit, plain = [json.loads(x) for x in log.read_text().splitlines()]
+    # 3× each model's unloaded TTFT of the prompt (the two share a tokenizer: one length), by its own
+    # constants; the fastest model's sets the limit
+    slo = SloClass(scaled["slo_class"])
+    own = {name: m.cost_model.target_for(slo, scaled["prompt_tokens"], 3.0).ttft_s for name, m in r.served.items()}
+    assert len(set(own.values())) == 2  # the two models' constants differ: which one sets it matters
+    assert scaled["slo_scale"] == 3.0 and scaled["ttft_limit_s"] == pytest.approx(min(own.values()))
+    assert explicit["ttft_limit_s"] == pytest.approx(0.25)
+    assert plain["slo_scale"] is None and plain["ttft_limit_s"] == pytest.approx(r._default_limit_s(slo))
 
 
 def test_requests_in_flight_raise_the_estimate_of_their_instance():
