@@ -434,17 +434,23 @@ def runtime_dir(stack_id: str) -> Path:
     return Path(tempfile.gettempdir()) / f"disagg-{stack_id}"
 
 
+HAPROXY_SOCKET_PATH_MAX = 97  # HAProxy refuses a longer socket path ("too long (max 97)")
+SERVE_NODE_ID_CHARS = 56  # Serve puts each node's HAProxy files in <folder>/<node id>/
+
+
 def haproxy_dir(stack_id: str) -> Path:
     """The folder of one stack's HAProxy files: its config, admin and metrics sockets, server state
     and logs, in a folder per node that Serve adds below it. Serve's default is one shared folder
-    in the system temp folder that nothing removes. Short: Serve appends a 56-character node id,
-    and a Unix socket's path must fit in 107 bytes."""
-    return Path(tempfile.gettempdir()) / f"disagg-haproxy-{stack_id[:12]}"
+    in the system temp folder that nothing removes. Short, for the socket paths below it."""
+    return Path(tempfile.gettempdir()) / f"haproxy-{stack_id[:8]}"
 
 
 def haproxy_env(stack_id: str) -> dict[str, str]:
-    """Serve's HAProxy paths (`ray.serve._private.constants`), all under `haproxy_dir`."""
+    """Serve's HAProxy paths (`ray.serve._private.constants`), all under `haproxy_dir`; none (Serve's
+    defaults) where the system temp folder's path is too long for HAProxy's sockets below it."""
     d = haproxy_dir(stack_id)
+    if len(str(d / ("n" * SERVE_NODE_ID_CHARS) / "metrics.sock").encode()) > HAPROXY_SOCKET_PATH_MAX:
+        return {}
     return {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(d / "haproxy.cfg"),
             "RAY_SERVE_HAPROXY_SOCKET_PATH": str(d / "admin.sock"),
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(d),

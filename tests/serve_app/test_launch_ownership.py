@@ -112,11 +112,16 @@ def test_haproxy_keeps_its_files_in_the_stacks_own_folder_within_the_socket_path
     assert all(Path(v) == folder or Path(v).parent == folder for v in env.values())
     assert set(env) >= {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH",
                         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"}
-    # Serve puts each node's files in <folder>/<56-character node id>/; a Unix socket path holds 107 bytes
+    # Serve puts each node's files in <folder>/<56-character node id>/; HAProxy takes socket paths of
+    # at most 97 bytes (a longer one fails its start: "socket path ... too long (max 97)")
     node_id = "f" * 56
     for var in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"):
         d, name = os.path.split(env[var])
-        assert len(os.path.join(d, node_id, name).encode()) <= 107
+        assert len(os.path.join(d, node_id, name).encode()) <= 97
+    # a system temp folder too deep for that leaves Serve's defaults alone
+    monkeypatch.setattr(launch.tempfile, "gettempdir", lambda: "/" + "t" * 40)
+    assert launch.haproxy_env(stack_id) == {}
+    monkeypatch.undo()
     # the stack's Ray inherits them, unless the environment sets them itself
     s = launch.LocalStack.__new__(launch.LocalStack)
     s.stack_id = stack_id
