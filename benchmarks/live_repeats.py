@@ -115,9 +115,8 @@ def capacity_summary(per_repeat: list[dict[str, dict]], policies: list[str], our
     for trace, t in out.items():
         cells = t["policies"]
         for c in cells.values():
-            for reading in ("capacity", "crossing"):
-                caps = c[f"{reading}_rps"]
-                c[f"{reading}_median_rps" if reading == "crossing" else "median_rps"] = statistics.median(caps)
+            c["median_rps"] = statistics.median(c["capacity_rps"])
+            c["crossing_median_rps"] = statistics.median(c["crossing_rps"])
             c["range_rps"] = [min(c["capacity_rps"]), max(c["capacity_rps"])]
         mine = [p for p in policies if p.partition(":")[0] in ours]  # a name, with or without parameters
         others = [p for p in policies if p not in mine]

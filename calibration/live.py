@@ -74,7 +74,7 @@ class LivePlan:
     prefills run back to back in the engine replica (they take milliseconds each, and the machine's
     noise is of their size). A held-out point's measured time is the median of its
     `held_out_rounds`, more than the fitted points get: a lone probe on a shared 2-core host strays
-    15–25% from its typical time, so a median of two would judge the constants mostly by that
+    12–28% from its typical time, so a median of two would judge the constants mostly by that
     noise. Its rounds are spread over the fitted points' rounds, so the held-out points are
     measured in the same minute as the points they judge: a host drifts by more than that noise
     from one half-minute to the next (docs/calibration.md), and a held-out set taken after the

@@ -521,9 +521,12 @@ class Router:
             if e.status != 429:  # a shed request was valid: counted as shed_429 instead
                 self.counters.rejected_400 += 1
             return _error(e)
-        # X-SLO-Scale without a limit: the alias's limit follows from the rendered prompt (`_choose_for_alias`)
-        limit_s = (limit_ms / 1e3 if limit_ms is not None else None if slo_scale is not None
-                   else self._default_limit_s(slo))
+        if limit_ms is not None:
+            limit_s = limit_ms / 1e3
+        elif slo_scale is not None:
+            limit_s = None  # the alias's limit follows from the rendered prompt (`_choose_for_alias`)
+        else:
+            limit_s = self._default_limit_s(slo)
         ctx = RequestContext(slo, limit_s,
                              self.lam if lam is None else lam, chat, requested_model=req.model,
                              fields=frozenset(req.model_fields_set), received=received, slo_scale=slo_scale)
