@@ -148,3 +148,25 @@ def test_the_request_log_carries_the_choice_and_the_estimated_ttft(client, multi
     t = rec["decode_engine_timeline"]  # ... and where the engine's time to it went (a colocated engine)
     assert 0 < t["queued_s"] <= t["scheduled_s"] <= t["first_token_s"] < rec["decode_engine_first_s"], t
     assert rec["utility"] == pytest.approx(rec["accuracy"] - 2.0 * rec["cost"])
+
+
+def test_an_slo_scale_sets_the_limit_from_the_fastest_models_unloaded_ttft(client, multi):
+    """X-SLO-Scale without X-TTFT-Limit-Ms: the limit is 3× the prompt's unloaded TTFT on the faster
+    model, each by the constants its router prices with now."""
+    from disagg.core.cost_model import CostModel
+    from disagg.core.types import SloClass
+
+    r = complete(client, ALIAS, LONG, headers={"X-SLO-Scale": "3"})
+    rid = r.json()["id"]
+    log = multi[1] / "runs" / "multi-requests.jsonl"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (log.exists() and rid in log.read_text()):
+        time.sleep(0.2)
+    rec = next(json.loads(l) for l in log.read_text().splitlines() if json.loads(l)["id"] == rid)
+    models = client.get("/admin/state").json()["models"]
+    # the two models share a tokenizer: the logged prompt length is each one's
+    own = {name: CostModel.from_dict(m["cost_model_constants"]).target_for(SloClass.LOOSE, rec["prompt_tokens"], 3.0)
+           for name, m in models.items()}
+    assert set(own) == {TINY, SMALL} and own[TINY].ttft_s != own[SMALL].ttft_s
+    assert rec["slo_scale"] == 3.0 and rec["ttft_limit_s"] == pytest.approx(min(t.ttft_s for t in own.values()))
+    assert float(route(r)["limit"]) == pytest.approx(rec["ttft_limit_s"], abs=1e-4)
