@@ -172,7 +172,7 @@ class Ledger:
         if v is not None and t.view_poll is polled and v.role is role and v.prefix_lookup is prefix_lookup:
             return v
         backlog, hosted = t.backlog_s, 0
-        if role is Role.PREFILL and t.hosted:
+        if t.hosted and role is Role.PREFILL:
             # the queue a prefill waits behind: the decodes hosted here run beside it, not ahead of it
             backlog, hosted = max(0.0, backlog - t.hosted_decode_s), t.hosted
         t.view, t.view_poll = InstanceView(

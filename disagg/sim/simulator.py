@@ -238,6 +238,7 @@ class Simulator:
             self.engines[iid] = EngineModel(iid, cost_model.for_instance(iid), self.share)
             self.roles[iid] = Role.DECODE
         self.prefill_ids = topology.prefill_ids()  # the instances the router may route to
+        self._prefill_set = frozenset(self.prefill_ids)  # `_poke`'s test, without an Enum member's slow lookup
         self.decode_ids = topology.decode_ids()
         # changing widths: the fleet's life cycle and what the scaler reads (None: fixed, all serve)
         self.scaler = scaler
@@ -346,7 +347,7 @@ class Simulator:
             epoch = self._step_epoch[iid] = self._step_epoch[iid] + 1
             self._seq += 1
             heapq.heappush(self._heap, (end, _STEP, self._seq, ("step", iid, epoch)))
-        if self.roles[iid] is Role.PREFILL:  # KV is transferred in only by decode instances
+        if iid in self._prefill_set:  # KV is transferred in only by decode instances
             return
         for job in engine.take_transfers():
             f: _Flight = job.payload
@@ -476,6 +477,8 @@ class Simulator:
         refresh, poke = self._refresh, self._poke
         slo_scale, known_output = self.slo_scale, self.known_output
         fleet, signals, control, share = self.fleet, self.signals, self._control, self.share
+        cm = self.cm  # whether any KV moves only between the prefill engine's steps: most models have none
+        kv_between_steps = cm.transfer.between_prefill_steps or any(t.between_prefill_steps for t in cm.pairs.values())
         if self.scaler is not None and self.scaler.interval_s is not None:
             self._push_control(self.scaler.interval_s, _TICK, ("tick",))
         while heap or a < n_arrivals:
@@ -542,7 +545,7 @@ class Simulator:
                 self._call_decode(ev[1], now)
             elif kind == "kv":
                 f = ev[1]
-                if self.cm.transfer_between(f.prefill_id, f.decode_id).between_prefill_steps:
+                if kv_between_steps and cm.transfer_between(f.prefill_id, f.decode_id).between_prefill_steps:
                     held = engines[f.prefill_id].step_in_flight_end(now)
                     if held is not None:  # the prefill engine's side moves once its step ends
                         self._push(held, _TRANSFER, ("kv", f))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 
 from pydantic import Field
 
@@ -15,6 +16,7 @@ from disagg.core.cost_model import (
 )
 from disagg.core.engine_model import RequestRate
 from disagg.core.policies.base import (
+    NO_PAIRS,
     PairTransfers,
     Params,
     Policy,
@@ -56,6 +58,7 @@ class SloGoodputParams(Params):
 
 
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
+_END = operator.itemgetter(0)  # a prefill end's time (`_prefill_ends`)
 
 
 def _miss(predicted_s: float, target_s: float, spread: float) -> float:
@@ -272,19 +275,22 @@ class SloGoodput(Policy):
         stalls = [self._stall(p, work, out, now, spread) if p.hosted else 0.0 for _, _, work, p in ends]
         if host is not None:  # and on a shared host, the sequences running on every engine there
             stalls = [stall + host.prefill_stall(work, p, out) for stall, (_, _, work, p) in zip(stalls, ends)]
-        if not cm.pairs:
-            by_end = sorted(range(len(ends)), key=lambda j: ends[j][0])
-            keep, low = [], math.inf
-            for j in by_end:
-                if stalls[j] < low:
-                    keep.append(j)
-                    low = stalls[j]
-            ends, stalls = [ends[j] for j in keep], [stalls[j] for j in keep]
+        if not cm.pairs and len(ends) > 1:
+            if not any(stalls):  # the common case: the loop below would keep the first earliest end alone
+                ends, stalls = [min(ends, key=_END)], stalls[:1]
+            else:
+                keep, low = [], math.inf
+                for j in sorted(range(len(ends)), key=[e[0] for e in ends].__getitem__):
+                    if stalls[j] < low:
+                        keep.append(j)
+                        low = stalls[j]
+                ends, stalls = [ends[j] for j in keep], [stalls[j] for j in keep]
 
         erfc, k = math.erfc, _INV_SQRT2
         transfer = cm.transfer
         xfer_whole = transfer.transfer_s(prompt)
-        pair_rows = [self._pair_transfers.row(p.instance_id) for _, _, _, p in ends]
+        pair_rows = [self._pair_transfers.row(p.instance_id) for _, _, _, p in ends] if cm.pairs else \
+            [NO_PAIRS] * len(ends)
         best_cost = math.inf if best is None else best[0]
         bar = best_cost + _COST_ROUNDING
         for i, d, _, b, steps, pending, held, spread_harm in sites:
@@ -436,7 +442,8 @@ class SloGoodput(Policy):
             steps = memo.get(b)
             if steps is None:
                 steps = memo[b] = _step_times(ec, b)
-            pending = min(d.backlog_s, max(0.0, colocated_ends.get(did, now) - now))  # `_colocated_queue_s`
+            end = colocated_ends.get(did)  # `_colocated_queue_s`, without its min and max where none is left
+            pending = min(d.backlog_s, end - now) if end is not None and end > now else 0.0
             held = cached_prompt_tokens(d, req) if hashes else 0
             if host is None:
                 sites.append((i, d, ec, b, steps, pending, held, 0.0))
