@@ -53,6 +53,15 @@ def route(resp) -> dict:
     return dict(part.split("=", 1) for part in resp.headers["x-disagg-route"].split("; "))
 
 
+def logged(multi, rid: str) -> dict:
+    """The request log's record of request `rid` (the routers write it after the response: wait up to 10 s)."""
+    log = multi[1] / "runs" / "multi-requests.jsonl"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (log.exists() and rid in log.read_text()):
+        time.sleep(0.2)
+    return next(json.loads(l) for l in log.read_text().splitlines() if json.loads(l)["id"] == rid)
+
+
 def complete(client, model, prompt, headers=None, max_tokens=4):
     r = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
                                              "ignore_eos": True, "temperature": 0.0}, headers=headers or {})
@@ -134,12 +143,7 @@ def test_an_unknown_model_gets_404_naming_model_and_listing_the_served_ones(clie
 
 def test_the_request_log_carries_the_choice_and_the_estimated_ttft(client, multi):
     r = complete(client, ALIAS, "log the choice", headers={"X-TTFT-Limit-Ms": "500", "X-Route-Lambda": "2"})
-    rid = r.json()["id"]
-    log = multi[1] / "runs" / "multi-requests.jsonl"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not (log.exists() and rid in log.read_text()):
-        time.sleep(0.2)
-    rec = next(json.loads(l) for l in log.read_text().splitlines() if json.loads(l)["id"] == rid)
+    rec = logged(multi, r.json()["id"])
     rt = route(r)
     assert rec["requested_model"] == ALIAS and rec["model"] == rt["model"] == r.json()["model"]
     assert rec["ttft_limit_s"] == 0.5 and rec["lambda"] == 2.0 and rec["feasible"] is True
@@ -157,12 +161,7 @@ def test_an_slo_scale_sets_the_limit_from_the_fastest_models_unloaded_ttft(clien
     from disagg.core.types import SloClass
 
     r = complete(client, ALIAS, LONG, headers={"X-SLO-Scale": "3"})
-    rid = r.json()["id"]
-    log = multi[1] / "runs" / "multi-requests.jsonl"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not (log.exists() and rid in log.read_text()):
-        time.sleep(0.2)
-    rec = next(json.loads(l) for l in log.read_text().splitlines() if json.loads(l)["id"] == rid)
+    rec = logged(multi, r.json()["id"])
     models = client.get("/admin/state").json()["models"]
     # the two models share a tokenizer: the logged prompt length is each one's
     own = {name: CostModel.from_dict(m["cost_model_constants"]).target_for(SloClass.LOOSE, rec["prompt_tokens"], 3.0)
