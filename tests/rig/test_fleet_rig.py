@@ -41,6 +41,8 @@ def test_sixty_four_engines_pushed_to_four_routers_fresh_under_load_silent_at_id
     app = AppClient(rig.base_url, timeout_s=60)
     state = app.state()
     assert len(state["routers"]) == 4
+    # each router froze its start-up heap: a full collection over it stalls a loop for a second here
+    assert all(r["gc_frozen"] > 100_000 for r in state["routers"].values()), state["routers"]
     assert len(state["instances"]) == 64 and app.health()["status"] == "ok"
     # every router's prefix index of every stand-in comes from its (modelled) KV events
     assert {v["prefix_source"] for v in state["instances"].values()} == {"events"}

@@ -36,6 +36,24 @@ def test_a_single_stall_is_not_a_backlog():
     assert lag.lag_s == 0.0 and lag.peak_s == 0.5
 
 
+def test_a_stall_longer_than_the_horizon_and_its_catch_up_are_not_a_backlog():
+    lag = LoopLag(interval_s=0.02, horizon_s=1.0)
+    t = 0.0
+    for _ in range(10):  # on time
+        t += 0.02
+        lag.observe(0.0, t)
+    t += 1.2
+    lag.observe(1.18, t)  # a full garbage collection: no tick for 1.2 s
+    for _ in range(2):  # the requests that arrived meanwhile are read: two ticks late
+        t += 0.08
+        lag.observe(0.06, t)
+    assert lag.lag_s == 0.0  # the on-time tick before the stall still counts
+    for _ in range(14):  # a loop still behind a second after the stall is a backlog
+        t += 0.08
+        lag.observe(0.06, t)
+    assert lag.lag_s == pytest.approx(0.06)
+
+
 def test_the_running_monitor_sees_a_blocked_loop():
     async def scenario():
         lag = LoopLag(interval_s=0.01, horizon_s=0.3)
