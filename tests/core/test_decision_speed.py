@@ -44,7 +44,8 @@ class ReferenceSloGoodput(SloGoodput):
         host = None
         if cm.shared_host is not None:
             self._requests.arrive(now)
-            host = _HostLoad(cm, cm.shared_host, prefill, decode, spread, tpot_others, self._requests.at(now))
+            host = _HostLoad(cm, cm.shared_host, prefill, decode, spread, tpot_others, self._requests.at(now),
+                             w / ttft_t, out / 2)
         # the serving path at the host's stretch; a pair's hand-off crosses it once more
         overhead = cm.serving_overhead_s * (1.0 if host is None else host.sigma)
         handoff = cm.handoff_overhead_s * (1.0 if host is None else host.sigma)

@@ -270,3 +270,21 @@ def test_a_prefill_stalls_the_other_engines_sequences_not_again_those_its_own_en
     # with a core for every engine the prefill takes nothing from the others
     roomy = _cpu_fleet({"engine_cores": 2.0, "cores": 4.0})
     assert _HostLoad(roomy, roomy.shared_host, prefill, busy, 0.15, 0.0068, 0.0).prefill_stall(0.05, p, out=50) == 0.0
+
+
+@pytest.mark.parametrize("slo", list(SloClass))
+def test_past_capacity_where_every_sequence_misses_anyway_decodes_still_gather(slo):
+    # three decode engines with 24 sequences each on one core: every token takes ~12 ms, past even the
+    # loose class's (strictest) 6.8 ms floor, so a fourth busy engine adds no miss the model can see.
+    # It still makes each of the 72 sequences' remaining tokens a third slower: those seconds count
+    cm = _cpu_fleet(ONE_CORE)
+    d = _place(cm, [24, 24, 24, 0], slo)
+    assert d.decode_id != "d3"
+    # the misses alone see nothing left to lose in waking d3; the seconds it adds are most of a miss
+    from disagg.core.policies.slo_goodput import _HostLoad
+
+    busy = make_instances(Role.DECODE, backlog_s=[0.5, 0.5, 0.5, 0.0], queued=[24, 24, 24, 0])
+    saturated = _HostLoad(cm, cm.shared_host, make_instances(Role.PREFILL, n=1), busy, 0.15, 0.0068, 0.0)
+    assert saturated.harm_up() < 1e-3  # the misses alone: nothing left to add
+    assert _HostLoad(cm, cm.shared_host, make_instances(Role.PREFILL, n=1), busy, 0.15, 0.0068, 0.0,
+                     per_s=0.02 / 0.316, remaining=100).harm_up() > 1.0

@@ -128,20 +128,25 @@ class SloGoodput(Policy):
       per-sequence step time ô × τ_seq, which the prefills there wait for: where every placement
       meets its targets, hosting wins only if that costs less than the transfer and first decode
       step it saves. When the decode pool's KV or TPOT is the limit, the prefill pool's KV and
-      time serve decodes as well.
+      time serve decodes as well. On a shared host it also counts the seconds the placement adds
+      to the sequences running on the other engines (below): past capacity, where every sequence
+      misses anyway and the miss terms no longer change, those seconds still keep the load on as
+      few engines as it needs.
 
     On a shared host (`CostModel.shared_host`: the CPU profile's engines on one core) every step
     above runs at the host's stretch σ(k) for the k engines busy (`_HostLoad`), so the placements
     are priced for the hardware serving them:
     - a decode on an idle instance makes one more engine busy: its own tokens take τ·σ(k + 1), and
       every sequence running anywhere on the host goes from τ·σ(k) to τ·σ(k + 1) — its TPOT misses
-      are charged to the placement. On a busy instance the host's stretch stays, and one more
-      sequence costs its batch only τ_seq: so decodes gather on few engines until a batch's step
-      outgrows what another busy engine costs everyone;
+      are charged to the placement, and w × the seconds that adds over the rest of its output (ô/2
+      tokens: midway through an output like this one) / the TTFT target. On a busy instance the
+      host's stretch stays, and one more sequence costs its batch only τ_seq: so decodes gather on
+      few engines until a batch's step outgrows what another busy engine costs everyone;
     - a prefill on a prefill instance (a pair, or hosted) takes its work from the engines it shares
       the cores with: every sequence running on the host is delayed by work / engine_cores (by less
-      where the engines have a core to spare). A colocated prefill runs in its decode instance's
-      share of the host: it delays that instance's sequences only (as above);
+      where the engines have a core to spare), its misses and w × its seconds charged as above.
+      A colocated prefill runs in its decode instance's share of the host: it delays that
+      instance's sequences only (as above);
     - TTFTs take the same stretch: a prefill's queue and work, a decode's first step.
     Engines that own their devices (no `shared_host`): σ is 1 and nothing above changes a price.
 
@@ -226,7 +231,7 @@ class SloGoodput(Policy):
         if cm.shared_host is not None:
             self._requests.arrive(now)
             host = _HostLoad(cm, cm.shared_host, prefill, decode, prm.latency_error, self._tpot_floor_s,
-                             self._requests.at(now))
+                             self._requests.at(now), prm.work_weight / target.ttft_s, out / 2)
         ends = self._prefill_ends(prefill_ok, req, now, host)
         sites = self._decode_sites(decode_ok, req, now, host)
         # each kind's cheapest replaces the cheapest so far only if it costs less (or as much and comes
@@ -505,11 +510,16 @@ class _HostLoad:
     TPOT as it is now."""
 
     __slots__ = ("host", "busy", "k", "weights", "weight", "tokens", "requests", "sigma", "sigma_up", "running",
-                 "spread", "floor", "_harm_up")
+                 "spread", "floor", "per_s", "remaining", "_harm_up")
 
     def __init__(self, cm: CostModel, host: SharedHost, prefill: list[InstanceView], decode: list[InstanceView],
-                 spread: float, floor: float, requests_per_s: float) -> None:
+                 spread: float, floor: float, requests_per_s: float, per_s: float = 0.0,
+                 remaining: float = 0.0) -> None:
+        """`per_s`: what a second added to a running sequence costs beside its misses (the policy's
+        `work_weight` / the request's TTFT target); `remaining`: the tokens each running sequence has
+        left to make (half of this request's predicted output: they are midway through theirs)."""
         self.host, self.spread, self.floor = host, spread, floor
+        self.per_s, self.remaining = per_s, remaining
         views = {v.instance_id: v for v in (*prefill, *decode)}
         self.busy: set[str] = set()
         # each busy engine's weight on the host: a prefill instance with prefills queued claims a
@@ -557,10 +567,12 @@ class _HostLoad:
                    for iid, t, b in self.running if iid != besides)
 
     def harm_up(self) -> float:
-        """The misses one more busy engine adds to every sequence running on the host (σ(k) → σ(k + 1))."""
+        """What one more busy engine costs every sequence running on the host (σ(k) → σ(k + 1)): the
+        misses it adds, and the seconds, which still count once those sequences miss anyway."""
         if self._harm_up is None:
             spread, floor, up = self.spread, self.floor, self.sigma_up / self.sigma
-            self._harm_up = sum(b * (_miss(t * up, floor, spread) - _miss(t, floor, spread))
+            self._harm_up = sum(b * (_miss(t * up, floor, spread) - _miss(t, floor, spread)
+                                     + self.per_s * t * (up - 1.0) * self.remaining)
                                 for _, t, b in self.running)
         return self._harm_up
 
@@ -578,15 +590,18 @@ class _HostLoad:
         return tau_h * sigma_now, tau_after * sigma_p, harm
 
     def prefill_stall(self, work: float, p: InstanceView, out: int) -> float:
-        """The misses a prefill of `work` seconds on `p` adds to the sequences running on the host's
-        other engines: with k busy engines on `engine_cores` cores, its time is taken from theirs —
-        each is delayed by work / engine_cores when every core is taken without it, by the part the
-        spare cores cannot absorb otherwise — spread over a sequence's (predicted) output. The
-        decodes `p` itself hosts wait for the whole prefill, priced where `p` is priced (`_stall`, or
-        a hosted placement's harm), so not here."""
+        """What a prefill of `work` seconds on `p` costs the sequences running on the host's other
+        engines: with k busy engines on `engine_cores` cores, its time is taken from theirs — each is
+        delayed by work / engine_cores when every core is taken without it, by the part the spare
+        cores cannot absorb otherwise — spread over a sequence's (predicted) output: the misses that
+        adds, and the seconds. The decodes `p` itself hosts wait for the whole prefill, priced where
+        `p` is priced (`_stall`, or a hosted placement's harm), so not here."""
         if not self.running:
             return 0.0
         k = self.k if p.instance_id in self.busy else self.k + 1
         cores = self.host.engine_cores
         delay = work * max(0.0, min(k / cores - 1.0, 1.0 / cores))
-        return self._delayed(delay / out, p.instance_id) if delay > 0 else 0.0
+        if delay <= 0:
+            return 0.0
+        others = sum(b for iid, _, b in self.running if iid != p.instance_id)
+        return self._delayed(delay / out, p.instance_id) + self.per_s * delay * others
