@@ -1,6 +1,5 @@
 import os
 import sys
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -57,9 +56,12 @@ def stack(tmp_path_factory):
 
 
 def _haproxy_default_entries() -> set[str]:
-    """What Serve's default HAProxy folder holds (each node's folder), where the stack must not write."""
+    """What Serve's default HAProxy folder holds (each node's folder), where the stack must not write.
+    Serve's own constant: a fixed folder, not the temp folder's, so it differs under a custom TMPDIR."""
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_SERVER_STATE_BASE
+
     try:
-        return set(os.listdir(Path(tempfile.gettempdir()) / "haproxy-serve"))
+        return set(os.listdir(RAY_SERVE_HAPROXY_SERVER_STATE_BASE))
     except FileNotFoundError:
         return set()
 
