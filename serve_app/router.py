@@ -154,8 +154,9 @@ async def _rendered_ids(model: ServedModel, req: Any, chat: bool) -> list[int] |
 
 def freeze_startup_heap() -> None:
     """What vLLM's own API server does once started: move the start-up heap (torch, transformers,
-    vLLM's OpenAI layer; over a million objects) out of the garbage collector's view. Without it, a
-    full collection under load walks that heap and holds the event loop about a second on 2 cores."""
+    vLLM's OpenAI layer; about 700,000 objects) out of the garbage collector's view. Without it, a
+    full collection under load walks that heap and held the event loop for 0.9–1.9 s on a busy
+    2-core host (docs/results.md, the fleet rig)."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
     freeze_gc_heap()
