@@ -65,7 +65,11 @@ def test_sixty_four_engines_pushed_to_four_routers_fresh_under_load_silent_at_id
     # past it the routers shed (429), which is right, and not what this test is about
     codes = asyncio.run(load(200, 20.0))
     state = app.state()
-    assert codes == [200] * 200, (codes, {k: state["counters"][k] for k in ("shed_429", "shed_router_busy")})
+    # on failure: which requests, and each router's (loop-lag peak, sheds for lag): a stall or a backlog
+    assert codes == [200] * 200, (
+        [i for i, c in enumerate(codes) if c != 200],
+        {k: state["counters"][k] for k in ("shed_429", "shed_router_busy")},
+        {k: (r["loop_lag_peak_s"], r["counters"]["shed_router_busy"]) for k, r in state["routers"].items()})
     pushes, decisions, stale = _totals(state)
     assert pushes > idle[0]
     assert decisions - idle[1] >= 200  # every request's first engine call names the version it was decided on
