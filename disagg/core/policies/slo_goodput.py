@@ -558,12 +558,12 @@ class _HostLoad:
             k += 1
         return self.host.stretch(k, self.tokens, self.requests, w, total)
 
-    def _delayed(self, delay_per_token: float, besides: str) -> float:
-        """TPOT misses the sequences running on engines other than `besides` gain when each token of
-        theirs comes later by `delay_per_token` (judged against the strictest class, their own not being
-        visible)."""
-        spread, floor = self.spread, self.floor
-        return sum(b * (_miss(t + delay_per_token, floor, spread) - _miss(t, floor, spread))
+    def _delayed(self, delay: float, out: int, besides: str) -> float:
+        """What the sequences running on engines other than `besides` lose when each is delayed by
+        `delay` seconds spread over `out` tokens: the TPOT misses they gain (judged against the
+        strictest class, their own not being visible), and the seconds."""
+        spread, floor, per_token, seconds = self.spread, self.floor, delay / out, self.per_s * delay
+        return sum(b * (_miss(t + per_token, floor, spread) - _miss(t, floor, spread) + seconds)
                    for iid, t, b in self.running if iid != besides)
 
     def harm_up(self) -> float:
@@ -601,7 +601,4 @@ class _HostLoad:
         k = self.k if p.instance_id in self.busy else self.k + 1
         cores = self.host.engine_cores
         delay = work * max(0.0, min(k / cores - 1.0, 1.0 / cores))
-        if delay <= 0:
-            return 0.0
-        others = sum(b for iid, _, b in self.running if iid != p.instance_id)
-        return self._delayed(delay / out, p.instance_id) + self.per_s * delay * others
+        return self._delayed(delay, out, p.instance_id) if delay > 0 else 0.0
