@@ -356,6 +356,23 @@ def test_idle_workers_do_not_spin(engines: Engines):
     assert all(v < 50 for v in busy.values()), f"idle workers spin: {busy} (% of one core)"
 
 
+@pytest.mark.stack
+def test_a_prefill_engines_warm_up_leaves_it_idle(engines: Engines):
+    """A published prefill that no decode engine pulls keeps vLLM stepping the engine every
+    millisecond until its KV lease ends (30 s): the warm-up of a prefill replica must not leave one."""
+    psutil = pytest.importorskip("psutil")
+    from serve_app.engine_server import warm_up
+
+    engines.run(warm_up(engines.P, Role.PREFILL, None, "idle-check"))
+    procs = [psutil.Process(p) for p in engines.P.process_ids()]  # its EngineCore and worker
+    time.sleep(0.5)  # the warm-up's last output reaches us before its engine's last step ends
+    for p in procs:
+        p.cpu_percent(None)
+    time.sleep(2.0)
+    busy = {p.name(): p.cpu_percent(None) for p in procs}
+    assert all(v < 50 for v in busy.values()), f"the prefill engine keeps stepping after its warm-up: {busy}"
+
+
 # --------------------------------------------------------------------------------------------
 # Pure checks (no engines)
 # --------------------------------------------------------------------------------------------
