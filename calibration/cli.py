@@ -56,12 +56,13 @@ def cmd_calibrate_live(args) -> int:
     url = args.url.rstrip("/")
     check_reachable(url)
     out = Path(args.out)
+    idle_cores = None
     if args.settle_s:
         if not args.host:
             raise UsageError("--settle-s waits for this machine to go quiet: use it with --host, on the app's machine")
         from calibration.host import settle
 
-        asyncio.run(settle(args.settle_s, log=lambda m: print(f"host: {m}", file=sys.stderr)))
+        _, idle_cores = asyncio.run(settle(args.settle_s, log=lambda m: print(f"host: {m}", file=sys.stderr)))
     measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
         fleet, samples, seconds = asyncio.run(calibrate_fleet(
@@ -95,7 +96,7 @@ def cmd_calibrate_live(args) -> int:
             cm, fits = fit_fleet(samples, base, name, fleet.source, overhead, measured_at, handoff)
         host_report = None
         if args.host:
-            host, host_report = asyncio.run(_measure_host(url, fleet, cm, args.seed, args.quick))
+            host, host_report = asyncio.run(_measure_host(url, fleet, cm, args.seed, args.quick, idle_cores))
             cm = cm.model_copy(update={"shared_host": host.model_copy(update={"measured_at": measured_at})})
     except CalibrationError as e:
         raise UsageError(f"calibration failed, nothing written: {e}") from None
@@ -176,8 +177,9 @@ def _routed_with(url: str, model: str, policy: str):
                                f"sets it") from None
 
 
-async def _measure_host(url: str, fleet, cm, seed: int, quick: bool):
-    """`--host`: the shared host's constants (`calibration.host`), with the constants just fitted."""
+async def _measure_host(url: str, fleet, cm, seed: int, quick: bool, idle_cores: float | None):
+    """`--host`: the shared host's constants (`calibration.host`), with the constants just fitted;
+    `idle_cores`: the app at rest as `--settle-s` measured it (None: measured there)."""
     from calibration.host import HostPlan, measure_host
     from disagg.app_client import AppError, AsyncAppClient
     from calibration.live import LiveCalibrationError, PROBE_TIMEOUT_S
@@ -192,7 +194,8 @@ async def _measure_host(url: str, fleet, cm, seed: int, quick: bool):
 
         return await measure_host(url, fleet.model, fleet.instances, cm.engine, post,
                                   HostPlan.quick() if quick else HostPlan(), seed=seed,
-                                  log=lambda m: print(f"host: {m}", file=sys.stderr), engines=fleet.engines)
+                                  log=lambda m: print(f"host: {m}", file=sys.stderr), engines=fleet.engines,
+                                  idle_cores=idle_cores)
 
 
 def _apply_cost_model(url: str, path: Path, model: str) -> None:

@@ -13,9 +13,9 @@ serving path takes beside them (`CostModel.shared_host`, the processor-sharing m
    beside each other can lose more of a core than a prefill beside a decode does).
 2. **Serving CPU.** The host's CPU time (/proc/stat, less this process's own) over three windows:
    idle, streams of long answers, and many short requests, all through the app. The idle rate is
-   the stack's background (`idle_cores`). Each loaded window's CPU above it, less what the
-   engines' steps of that load take by the fitted constants, is split into CPU per streamed token
-   and per request (`fit_serving_cpu`).
+   the stack's background (`idle_cores`; `settle`'s quiet window where one ran before). Each
+   loaded window's CPU above it, less what the engines' steps of that load take by the fitted
+   constants, is split into CPU per streamed token and per request (`fit_serving_cpu`).
 3. `cores`: the host's online processors.
 
 The host must be the app's alone while this runs: any other work on it counts as the serving path's.
@@ -158,20 +158,22 @@ async def _cpu_of(run: Callable[[], Awaitable]) -> tuple[float, float, object]:
 
 
 async def settle(limit_s: float, quiet_cores: float = QUIET_CORES, window_s: float = 2.0,
-                 log: Callable[[str], None] = lambda m: None) -> float:
+                 log: Callable[[str], None] = lambda m: None) -> tuple[float, float | None]:
     """Wait until the host's CPU use (less this process's) stays under `quiet_cores` for one
-    `window_s`, at most `limit_s`; the seconds waited. A stack that has just started keeps the host
-    busy for a while (measured: an engine's decode step 1.9× its settled time), and constants
-    fitted then describe that moment, not the engines."""
+    `window_s`, at most `limit_s`. Returns the seconds waited and the quiet window's CPU use (the
+    host idle, which `measure_host` then need not measure again), None if it never went quiet.
+    A stack that has just started keeps the host busy for a while (measured: an engine's decode
+    step 1.9× its settled time), and constants fitted then describe that moment, not the engines."""
     waited = 0.0
     while True:
         cpu, wall, _ = await _cpu_of(lambda: asyncio.sleep(window_s))
         waited += wall
         log(f"host busy {cpu / wall:.2f} cores")
         if cpu / wall < quiet_cores or waited >= limit_s:
-            log(f"settled after {waited:.0f} s" if cpu / wall < quiet_cores
+            quiet = cpu / wall < quiet_cores
+            log(f"settled after {waited:.0f} s" if quiet
                 else f"still above {quiet_cores:g} cores after {waited:.0f} s: measuring anyway")
-            return waited
+            return waited, cpu / wall if quiet else None
 
 
 async def measure_contention(engines: Sequence[str], post: Callable[[dict], Awaitable[dict]], plan: HostPlan,
@@ -246,11 +248,13 @@ async def measure_prefill_weight(decoder: str, prefiller: str, post: Callable[[d
 async def measure_host(url: str, model: str, instances: dict[str, str], engine: EngineConstants,
                        post: Callable[[dict], Awaitable[dict]], plan: HostPlan = HostPlan(), seed: int = 0,
                        log: Callable[[str], None] = lambda m: None,
-                       engines: Sequence[str] = ()) -> tuple[SharedHost, dict]:
+                       engines: Sequence[str] = (), idle_cores: float | None = None) -> tuple[SharedHost, dict]:
     """The shared host's constants, measured through the app at `url` (see the module docstring);
     `post(body)` is a `/admin/probe` call, `engine` the fitted pool constants of `model`, whose
     `instances` the serving windows load; `engines`: every engine on the host, of any model (the
-    contention probes'; default: `instances`). Returns the host and a report of every measurement."""
+    contention probes'; default: `instances`); `idle_cores`: the app's CPU use at rest if already
+    measured (`settle`'s quiet window), else measured here. Returns the host and a report of every
+    measurement."""
     ids = list(engines) or list(instances)
     stretch_at = await measure_contention(ids, post, plan, seed)
     cores = float(os.cpu_count() or 1)
@@ -267,8 +271,10 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
             f"{weight_report['prefill_stretch']} → prefill_weight {weight:g}, mixed_cores {mixed:g}")
 
     decode = sum(role == "decode" for role in instances.values()) or len(instances)
-    idle_cpu, idle_wall, _ = await _cpu_of(lambda: asyncio.sleep(plan.idle_s))
-    idle_rate = idle_cpu / idle_wall
+    if idle_cores is None:
+        idle_cpu, idle_wall, _ = await _cpu_of(lambda: asyncio.sleep(plan.idle_s))
+        idle_cores = idle_cpu / idle_wall
+    idle_rate = idle_cores
     windows, report_windows = [], []
     for name, requests, concurrency, tokens in (("streams", plan.stream_requests, STREAMS, STREAM_TOKENS),
                                                 ("short", plan.short_requests, SHORT_CONCURRENCY, SHORT_TOKENS)):

@@ -51,10 +51,10 @@ def test_settling_waits_for_a_quiet_host_within_its_limit():
     from calibration.host import settle
 
     said: list[str] = []
-    quiet = asyncio.run(settle(5.0, quiet_cores=1e9, window_s=0.05, log=said.append))  # any host is quiet enough
-    assert quiet < 1.0 and said[-1].startswith("settled")
-    busy = asyncio.run(settle(0.2, quiet_cores=-1.0, window_s=0.05, log=said.append))  # never quiet: the limit ends it
-    assert 0.2 <= busy < 1.0 and "measuring anyway" in said[-1]
+    quiet, idle = asyncio.run(settle(5.0, quiet_cores=1e9, window_s=0.05, log=said.append))  # any host is quiet
+    assert quiet < 1.0 and said[-1].startswith("settled") and idle is not None and idle >= 0.0
+    busy, idle = asyncio.run(settle(0.2, quiet_cores=-1.0, window_s=0.05, log=said.append))  # never quiet
+    assert 0.2 <= busy < 1.0 and "measuring anyway" in said[-1] and idle is None  # no idle reading to reuse
 
 
 def test_contention_probes_every_engine_of_the_host_and_recovers_its_cores():
