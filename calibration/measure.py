@@ -12,7 +12,8 @@ Starts one prefill and one decode engine from the deployment config's engine set
   stream of the batch is running, each concurrency several times in rotating order;
 - the engine's KV capacity.
 A second, interleaved set of prefill lengths and concurrencies is kept out of the fit for the
-held-out check.
+held-out check, measured in every round like the fitted points (`Plan.rounds`), each the median of
+its rounds.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import statistics
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -62,8 +64,17 @@ class Plan:
         return cls(lengths, held, conc, held_c, 3, 48)
 
     def steps(self) -> int:
-        return (len(self.prefill_lengths) * self.repeats + len(self.held_out_lengths)
-                + len(self.concurrencies) + len(self.held_out_concurrencies))
+        return self.repeats * (len(self.prefill_lengths) + len(self.held_out_lengths)) + len(self.concurrencies) \
+            + len(self.held_out_concurrencies)
+
+    def rounds(self, points: tuple[int, ...], held: tuple[int, ...]) -> list[list[tuple[int, bool]]]:
+        """`repeats` rounds of every fitted point and every held-out one, (point, held out), each
+        round's order rotated by one: a slow moment of a shared machine lands on different points
+        rather than bending the curve, and the held-out points, measured in every round like the
+        fitted ones, are the median of as many probes. Measured once after the fitted points, a
+        held-out point was one probe of a host whose probes stray by 12–28% (docs/results.md)."""
+        every = [(x, False) for x in points] + [(x, True) for x in held]
+        return [every[r % len(every):] + every[:r % len(every)] for r in range(self.repeats)] if every else []
 
 
 def ladder(shortest: int, top: int, ratio: float) -> tuple[int, ...]:
@@ -146,34 +157,31 @@ class Calibrator:
             self.vocab = min(len(D.tokenizer), 50_000)
             await self._decode_step(D, 1, 8)  # wake-up, unmeasured
             step1 = await self._decode_step(D, 1, plan.decode_tokens)
-            prefill, transfer = [], []
-            for p in plan.prefill_lengths:
-                # An engine idle for a moment pays a wake-up on its next request (tens of ms on a
-                # small CPU): one unmeasured request first, so the fit sees the engine at work.
+            prefill, transfer, held = [], [], {}
+            # The first run of a prompt length pays for its shape (and an engine idle for a moment
+            # for its wake-up: tens of ms on a small CPU): each length once unmeasured first.
+            for p in (*plan.prefill_lengths, *plan.held_out_lengths):
                 await self._prefill_and_handoff(P, D, p, step1)
-                for _ in range(plan.repeats):
+            for round_ in plan.rounds(plan.prefill_lengths, plan.held_out_lengths):
+                for p, held_out in round_:
                     s, x = await self._prefill_and_handoff(P, D, p, step1)
-                    prefill.append(s)
-                    transfer.append(x)
+                    if held_out:
+                        held.setdefault(p, []).append(s.seconds)
+                    else:
+                        prefill.append(s)
+                        transfer.append(x)
                     progress(1)
-            held_prefill = []
-            for p in plan.held_out_lengths:
-                await self._prefill_and_handoff(P, D, p, step1)
-                s, _ = await self._prefill_and_handoff(P, D, p, step1)
-                held_prefill.append(s)
-                progress(1)
-            # Every concurrency is measured `repeats` times in rotating order, so a slow moment of
-            # a shared machine lands on different concurrencies rather than bending the curve.
-            decode = []
-            conc = list(plan.concurrencies)
-            for r in range(plan.repeats):
-                for b in conc[r % len(conc):] + conc[:r % len(conc)]:
-                    decode.append(Sample(b, await self._decode_step(D, b, plan.decode_tokens)))
-            progress(len(conc))
-            held_decode = []
-            for b in plan.held_out_concurrencies:
-                held_decode.append(Sample(b, await self._decode_step(D, b, plan.decode_tokens)))
-                progress(1)
+            held_prefill = [Sample(p, statistics.median(v)) for p, v in held.items()]
+            decode, held = [], {}
+            for round_ in plan.rounds(plan.concurrencies, plan.held_out_concurrencies):
+                for b, held_out in round_:
+                    step = await self._decode_step(D, b, plan.decode_tokens)
+                    if held_out:
+                        held.setdefault(b, []).append(step)
+                    else:
+                        decode.append(Sample(b, step))
+            progress(len(plan.concurrencies) + len(plan.held_out_concurrencies))
+            held_decode = [Sample(b, statistics.median(v)) for b, v in held.items()]
             state = await D.state()
             e = self.cfg.engine
             m = Measurements(prefill=prefill, decode=decode, transfer=transfer,

@@ -173,6 +173,24 @@ def test_the_plan_is_a_geometric_ladder_up_to_the_longest_prompt():
     assert quick[0] == 16 and quick[-1] == 8192 - 64 and all(b <= 2 * a for a, b in zip(quick, quick[1:]))
 
 
+@pytest.mark.parametrize("quick", [False, True])
+def test_every_round_measures_every_fitted_and_held_out_point_in_a_rotated_order(quick):
+    from collections import Counter
+
+    from calibration.measure import Plan
+
+    plan = Plan.for_context(2048, 64, quick=quick)
+    rounds = plan.rounds(plan.prefill_lengths, plan.held_out_lengths)
+    every = {(x, False) for x in plan.prefill_lengths} | {(x, True) for x in plan.held_out_lengths}
+    assert plan.held_out_lengths and len(rounds) == plan.repeats >= 2
+    assert all(Counter(r) == Counter(every) for r in rounds)  # each point once a round, held out too
+    assert len({r[0] for r in rounds}) == plan.repeats  # a slow moment lands on other points each round
+    decode = plan.rounds(plan.concurrencies, plan.held_out_concurrencies)
+    assert all({b for b, held in r if held} == set(plan.held_out_concurrencies) for r in decode)
+    # the progress bar counts each prefill probe and each concurrency once
+    assert plan.steps() == sum(map(len, rounds)) + len(plan.concurrencies) + len(plan.held_out_concurrencies)
+
+
 @pytest.mark.parametrize("noise", [0.0, 0.01, 0.02])
 def test_recovers_the_attention_term_from_a_quadratic_prefill(noise):
     for seed in range(5):
