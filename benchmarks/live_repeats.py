@@ -218,9 +218,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cost-model", help="SLO targets (default: the constants the router prices with, checked "
                                          "against its engines by the bench)")
     ap.add_argument("--refit", metavar="DIR",
-                    help="with --capacity: fit the router's constants on the live engines again before each trace's "
-                         "searches, into DIR (the router's cost_model_dir): every repeat judged against constants "
-                         "minutes old, as a shared host drifts over an hour (disagg.bench.refit)")
+                    help="fit the router's constants on the live engines again before each repeat (with "
+                         "--capacity: each trace's searches), into DIR (the router's cost_model_dir): every repeat "
+                         "judged against constants minutes old, as a shared host drifts over an hour "
+                         "(disagg.bench.refit)")
     ap.add_argument("--slo-scale", type=float, metavar="X",
                     help="judge (and route) each request by X times its own unloaded TTFT and TPOT (disagg bench)")
     ap.add_argument("--tight-share", type=float, default=0.5)
@@ -231,12 +232,13 @@ def main(argv=None) -> int:
     policies = [p for p in args.policies.split(",") if p]
     if args.repeats < 1 or len(policies) < 2:
         ap.error("need --repeats >= 1 and at least two policies")
-    if args.refit and (args.cost_model or not args.capacity):
-        ap.error("--refit re-fits the router's own constants for --capacity: drop --cost-model")
+    if args.refit and args.cost_model:
+        ap.error("--refit re-fits the router's own constants: drop --cost-model")
     out = Path(args.out)
     if args.capacity:
         return run_capacity(args, policies, out)
     per_repeat = []
+    refit = app_refit(args.url, Path(args.refit), log) if args.refit else None
     for r in range(args.repeats):
         order = rotated(policies, r)
         print(f"[repeats] repeat {r + 1}/{args.repeats}: {', '.join(order)}", file=sys.stderr, flush=True)
@@ -244,8 +246,10 @@ def main(argv=None) -> int:
                           policies=tuple(order), url=args.url,
                           rate=args.rate, max_requests=args.max_requests, tight_share=args.tight_share,
                           seed=args.seed, cost_model=args.cost_model, gates=r == 0, realtime=args.realtime,
-                          slo_scale=args.slo_scale)
-        per_repeat.append(run_bench(cfg))
+                          slo_scale=args.slo_scale, accept_foreign_constants=refit is not None)
+        # with --refit: each repeat judged against constants fitted just before it, as in run_capacity
+        done = before_run(cfg.out, refit, log) if refit is not None else None
+        per_repeat.append(done or run_bench(cfg))
     result = {"settings": vars(args), "traces": summary(per_repeat, policies)}
     write_result(out / "summary.json", result)
     for trace, cells in result["traces"].items():
