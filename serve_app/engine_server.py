@@ -130,23 +130,16 @@ WARMUP_SAMPLING = {"temperature": 0.0, "max_tokens": 2, "ignore_eos": True}
 async def warm_up(engine: VllmEngine, role: Role, prefill_pool: DeploymentHandle | None, tag: str) -> None:
     """One request through the engine's real path; raises (naming what failed) if it does not work.
 
-    - prefill engine: a prefill and a decode step on its own KV. Not a published prefill: with no
-      decode engine to pull it, vLLM would pin the KV for its whole lease (30 s) and step the
-      engine empty every millisecond meanwhile, a core's worth of polling just after start-up.
-      The decode replicas' warm-ups pull from a prefill replica: that proves publishing;
     - decode engine: a prefill on a running prefill replica, a NIXL pull of its KV and two decode
       steps here: the path on which a missing CPU permission (AMX) or a dead side channel shows;
-    - colocated engine: a local prefill and two decode steps.
+    - colocated and prefill engine: a local prefill and two decode steps (a prefill engine's path
+      for a request it hosts). Not a published prefill on a prefill engine: with no decode engine
+      to pull it, vLLM would pin the KV for its whole lease (30 s) and step the engine empty every
+      millisecond meanwhile, a core's worth of polling just after start-up. The decode replicas'
+      warm-ups pull from a prefill replica: that proves publishing.
     A vLLM engine cannot pull from itself, so the pull needs a prefill replica; it waits for one.
     """
     prompt = list(engine.tokenizer.encode(WARMUP_TEXT))
-    if role is Role.PREFILL:
-        tokens = [t async for chunk in engine.generate_local(f"warmup-{tag}", prompt, WARMUP_SAMPLING["max_tokens"])
-                  for t in chunk.token_ids]
-        if len(tokens) != WARMUP_SAMPLING["max_tokens"]:
-            raise RuntimeError(f"warm-up on the prefill engine gave {len(tokens)} tokens, expected "
-                               f"{WARMUP_SAMPLING['max_tokens']}")
-        return
     kv = None
     if role is Role.DECODE:
         if prefill_pool is None:

@@ -28,10 +28,11 @@ def rig():
     assert not s.forced, f"the rig's stop was not graceful: {s.forced}"
 
 
-def _until_the_host_stops_settling(limit_s: float, window_s: float = 3.0) -> float:
+def _until_the_host_stops_settling(limit_s: float, window_s: float = 3.0) -> tuple[float, float]:
     """Wait until the host's CPU use over a window is no longer 10% below the window's before, at
-    most `limit_s`; the seconds waited. Relative, so it holds on a host of any speed."""
-    waited, before = 0.0, None
+    most `limit_s`: the seconds waited and the last window's cores (the idle rig). Relative, so it
+    holds on a host of any speed."""
+    waited, before, cores = 0.0, None, 0.0
     while waited < limit_s:
         cpu0, t0 = host_cpu_s(), time.monotonic()
         time.sleep(window_s)
@@ -41,7 +42,7 @@ def _until_the_host_stops_settling(limit_s: float, window_s: float = 3.0) -> flo
         if before is not None and cores > 0.9 * before:
             break
         before = cores
-    return waited
+    return waited, cores
 
 
 def _totals(state: dict) -> tuple[int, int, int]:
@@ -66,11 +67,10 @@ def test_sixty_four_engines_pushed_to_four_routers_fresh_under_load_silent_at_id
     assert {v["prefix_source"] for v in state["instances"].values()} == {"events"}
     # 68 replicas that have just started keep the host busy a while (imports, first collections,
     # Serve's reconciling): the load below starts once the host's CPU use stops falling
-    settled_s = _until_the_host_stops_settling(limit_s=90.0)
-    idle, cpu0, t0 = _totals(app.state()), host_cpu_s(), time.monotonic()
+    settled_s, idle_cores = _until_the_host_stops_settling(limit_s=90.0)
+    idle = _totals(app.state())
     time.sleep(5.0)
     assert _totals(app.state()) == idle  # 64 engines × 4 routers, idle: not one message
-    idle_cores = (host_cpu_s() - cpu0) / (time.monotonic() - t0)
     print(f"[rig] idle: {idle_cores:.2f} cores, after {settled_s:.0f} s settling", flush=True)
 
     async def load(n: int, rate: float) -> list[int]:
