@@ -151,10 +151,13 @@ async def _load(url: str, model: str, requests: int, concurrency: int, tokens: i
 
 
 async def _cpu_of(run: Callable[[], Awaitable]) -> tuple[float, float, object]:
-    """(host CPU s less this process's, wall s, what `run` returned)."""
+    """(host CPU s less this process's, wall s, what `run` returned). The host's count moves in
+    clock ticks and this process's in nanoseconds, so over a short quiet window the difference can
+    dip below zero by up to a tick: it is floored there, since no host runs negative work."""
     h0, own0, t0 = host_cpu_s(), time.process_time(), time.monotonic()
     result = await run()
-    return (host_cpu_s() - h0) - (time.process_time() - own0), time.monotonic() - t0, result
+    others = (host_cpu_s() - h0) - (time.process_time() - own0)
+    return max(0.0, others), time.monotonic() - t0, result
 
 
 async def settle(limit_s: float, quiet_cores: float = QUIET_CORES, window_s: float = 2.0,

@@ -45,6 +45,23 @@ def test_the_host_cpu_clock_moves_with_work():
     assert host_cpu_s() > t0
 
 
+def test_a_quiet_window_reads_no_negative_cpu(monkeypatch):
+    """The host's count moves in 10 ms ticks and this process's in nanoseconds: over a short quiet
+    window the host can read less than this process alone (it did, on a CI host: -0.008 cores)."""
+    import asyncio
+
+    import calibration.host as host
+
+    readings = iter([100.0, 100.0])  # the host's tick has not moved while this process worked
+    monkeypatch.setattr(host, "host_cpu_s", lambda: next(readings))
+
+    async def busy():
+        sum(i * i for i in range(300_000))
+
+    cpu, wall, _ = asyncio.run(host._cpu_of(busy))
+    assert cpu == 0.0 and wall > 0
+
+
 def test_settling_waits_for_a_quiet_host_within_its_limit():
     import asyncio
 
