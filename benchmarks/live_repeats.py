@@ -159,6 +159,14 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def bench(cfg: BenchConfig, refit) -> dict:
+    """The results of `cfg`'s run. With `refit`: a finished run is kept as it is, else the app's
+    constants are fitted again just before it (`before_run`), so it is judged against constants
+    minutes old, not the app's start-up fit's."""
+    done = before_run(cfg.out, refit, log) if refit is not None else None
+    return done or run_bench(cfg)
+
+
 def run_capacity(args, policies: list[str], out: Path) -> int:
     traces = [trace_spec(t) for t in args.trace]
     ours = [p for p in args.ours.split(",") if p]
@@ -181,9 +189,7 @@ def run_capacity(args, policies: list[str], out: Path) -> int:
                               # ones (which swing more than the drift they catch): its verdict is kept
                               # in results.json as a warning, not a stop
                               accept_foreign_constants=refit is not None, slo_scale=args.slo_scale)
-            # judged against constants fitted minutes before, not at the app's start
-            done = before_run(cfg.out, refit, log) if refit is not None else None
-            resolved = (done or run_bench(cfg))["resolved"]
+            resolved = bench(cfg, refit)["resolved"]
             found.update(resolved["capacity"])
             targets.update(dict.fromkeys(resolved["capacity"], attainment))
             for trace, caps in (resolved.get("capacity_sim") or {}).items():
@@ -247,9 +253,7 @@ def main(argv=None) -> int:
                           rate=args.rate, max_requests=args.max_requests, tight_share=args.tight_share,
                           seed=args.seed, cost_model=args.cost_model, gates=r == 0, realtime=args.realtime,
                           slo_scale=args.slo_scale, accept_foreign_constants=refit is not None)
-        # with --refit: each repeat judged against constants fitted just before it, as in run_capacity
-        done = before_run(cfg.out, refit, log) if refit is not None else None
-        per_repeat.append(done or run_bench(cfg))
+        per_repeat.append(bench(cfg, refit))
     result = {"settings": vars(args), "traces": summary(per_repeat, policies)}
     write_result(out / "summary.json", result)
     for trace, cells in result["traces"].items():

@@ -75,3 +75,28 @@ def test_the_crossing_is_read_from_each_searchs_stored_probes_and_ratioed_like_t
     out = repeats.capacity_summary([{"t": _found(colocated=None, slo_goodput=1.0)}], ["colocated", "slo_goodput"],
                                    ["slo_goodput"], {"t": 0.75})
     assert out["t"]["policies"]["colocated"]["crossing_rps"] == [0.0]
+
+
+def test_a_refitted_study_keeps_a_finished_run_and_fits_before_a_new_one(tmp_path, monkeypatch):
+    """--refit: a repeat already finished is read back, not fitted again nor run; a new one is
+    fitted first, then run (both capacity and goodput studies go through `bench`)."""
+    import json
+
+    from disagg.bench.harness import BenchConfig
+    from disagg.bench.report import RESULTS_JSON
+
+    done_dir, new_dir = tmp_path / "repeat0", tmp_path / "repeat1"
+    done_dir.mkdir()
+    (done_dir / RESULTS_JSON).write_text(json.dumps({"resolved": {"capacity": {"t": 1.0}}}))
+    events = []
+    monkeypatch.setattr(repeats, "run_bench", lambda cfg: events.append(("run", cfg.out)) or {"ran": True})
+
+    def cfg(out):
+        return BenchConfig(out=out, traces=("t",), policies=("a", "b"), url="http://127.0.0.1:1")
+
+    assert repeats.bench(cfg(done_dir), lambda: events.append("fit")) == {"resolved": {"capacity": {"t": 1.0}}}
+    assert events == []
+    assert repeats.bench(cfg(new_dir), lambda: events.append("fit")) == {"ran": True}
+    assert events == ["fit", ("run", new_dir)]
+    assert repeats.bench(cfg(new_dir), None) == {"ran": True}  # without --refit: always run
+    assert events[-1] == ("run", new_dir)
