@@ -14,8 +14,12 @@ serving path takes beside them (`CostModel.shared_host`, the processor-sharing m
 2. **Serving CPU.** The host's CPU time (/proc/stat, less this process's own) over three windows:
    idle, streams of long answers, and many short requests, all through the app. The idle rate is
    the stack's background (`idle_cores`; `settle`'s quiet window where one ran before). Each
-   loaded window's CPU above it, less what the engines' steps of that load take by the fitted
-   constants, is split into CPU per streamed token and per request (`fit_serving_cpu`).
+   loaded window's CPU above it, less the engines' own above theirs, is split into CPU per
+   streamed token and per request (`fit_serving_cpu`). The engines' CPU is read from their
+   processes (the EngineCore and its workers, as `/admin/state` names them): what their steps
+   took, measured. Where no engine names its processes (stand-ins) it is what the steps of that
+   load take by the fitted constants, a small difference of two large numbers on a saturated
+   host: fits minutes apart read 0–113 and 618–1,192 µs per token that way.
 3. `cores`: the host's online processors.
 
 The host must be the app's alone while this runs: any other work on it counts as the serving path's.
@@ -48,6 +52,7 @@ CONTENTION_TOKENS = 64
 CONTENTION_ROUNDS = 4  # probes of one engine vary by ±30% on shared cores: the medians need a few
 WEIGHT_PROMPT = 1024  # the prefill the weight is measured with: the SLO rule's reference prompt
 WEIGHT_LEAD_S = 0.03  # the first of two overlapping probes starts this long before the second
+IDLE_ENGINES_S = 1.0  # the engines' idle CPU where the host's was read before: they rest at ~0
 QUIET_CORES = 0.4  # a host this busy with nothing served is still settling (`settle`); the CPU profile idles at ~0.2
 
 
@@ -76,6 +81,37 @@ def host_cpu_s() -> float:
         fields = f.readline().split()[1:]
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
     return (user + nice + system + irq + softirq + steal) * TICK_S
+
+
+def process_cpu_s(pids: Sequence[int]) -> float:
+    """CPU seconds the processes `pids` have used, every thread's (user + system, /proc/<pid>/stat)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            raise HostCalibrationError(f"engine process {pid} is not on this machine or has exited: the host is "
+                                       "measured where the command runs, which must be the app's machine") from None
+        fields = stat[stat.rindex(")") + 2:].split()  # after the command, which may hold spaces
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    return total * TICK_S
+
+
+def check_engine_processes(pids: Sequence[int]) -> None:
+    """Each of `pids` is a vLLM engine process of this machine: an app on other machines may name
+    processes whose numbers belong to something else here."""
+    from serve_app.engine import ENGINE_PROCESS_MARKERS
+
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            cmd = ""
+        if not any(m in cmd for m in ENGINE_PROCESS_MARKERS):
+            raise HostCalibrationError(f"engine process {pid} is not on this machine or has exited: the host is "
+                                       "measured where the command runs, which must be the app's machine")
 
 
 def fit_engine_cores(stretch_at: dict[int, float], most: float) -> float:
@@ -150,14 +186,16 @@ async def _load(url: str, model: str, requests: int, concurrency: int, tokens: i
     return streamed
 
 
-async def _cpu_of(run: Callable[[], Awaitable]) -> tuple[float, float, object]:
-    """(host CPU s less this process's, wall s, what `run` returned). The host's count moves in
-    clock ticks and this process's in nanoseconds, so over a short quiet window the difference can
-    dip below zero by up to a tick: it is floored there, since no host runs negative work."""
-    h0, own0, t0 = host_cpu_s(), time.process_time(), time.monotonic()
+async def _cpu_of(run: Callable[[], Awaitable], engine_pids: Sequence[int] = ()) -> tuple[float, float, float, object]:
+    """(host CPU s less this process's, the engine processes' CPU s, wall s, what `run` returned).
+    The host's count moves in clock ticks and this process's in nanoseconds, so over a short quiet
+    window the difference can dip below zero by up to a tick: it is floored there, since no host
+    runs negative work."""
+    h0, e0, own0, t0 = host_cpu_s(), process_cpu_s(engine_pids), time.process_time(), time.monotonic()
     result = await run()
+    engines = process_cpu_s(engine_pids) - e0
     others = (host_cpu_s() - h0) - (time.process_time() - own0)
-    return max(0.0, others), time.monotonic() - t0, result
+    return max(0.0, others), engines, time.monotonic() - t0, result
 
 
 async def settle(limit_s: float, quiet_cores: float = QUIET_CORES, window_s: float = 2.0,
@@ -169,7 +207,7 @@ async def settle(limit_s: float, quiet_cores: float = QUIET_CORES, window_s: flo
     step 1.9× its settled time), and constants fitted then describe that moment, not the engines."""
     waited = 0.0
     while True:
-        cpu, wall, _ = await _cpu_of(lambda: asyncio.sleep(window_s))
+        cpu, _, wall, _ = await _cpu_of(lambda: asyncio.sleep(window_s))
         waited += wall
         log(f"host busy {cpu / wall:.2f} cores")
         if cpu / wall < quiet_cores or waited >= limit_s:
@@ -251,13 +289,16 @@ async def measure_prefill_weight(decoder: str, prefiller: str, post: Callable[[d
 async def measure_host(url: str, model: str, instances: dict[str, str], engine: EngineConstants,
                        post: Callable[[dict], Awaitable[dict]], plan: HostPlan = HostPlan(), seed: int = 0,
                        log: Callable[[str], None] = lambda m: None,
-                       engines: Sequence[str] = (), idle_cores: float | None = None) -> tuple[SharedHost, dict]:
+                       engines: Sequence[str] = (), idle_cores: float | None = None,
+                       engine_pids: Sequence[int] = ()) -> tuple[SharedHost, dict]:
     """The shared host's constants, measured through the app at `url` (see the module docstring);
     `post(body)` is a `/admin/probe` call, `engine` the fitted pool constants of `model`, whose
     `instances` the serving windows load; `engines`: every engine on the host, of any model (the
     contention probes'; default: `instances`); `idle_cores`: the app's CPU use at rest if already
-    measured (`settle`'s quiet window), else measured here. Returns the host and a report of every
-    measurement."""
+    measured (`settle`'s quiet window), else measured here; `engine_pids`: the processes of every
+    engine on the host, whose CPU is the engines' share of each window (none: their steps by the
+    constants `engine`). Returns the host and a report of every measurement."""
+    check_engine_processes(engine_pids)
     ids = list(engines) or list(instances)
     stretch_at = await measure_contention(ids, post, plan, seed)
     cores = float(os.cpu_count() or 1)
@@ -274,27 +315,44 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
             f"{weight_report['prefill_stretch']} → prefill_weight {weight:g}, mixed_cores {mixed:g}")
 
     decode = sum(role == "decode" for role in instances.values()) or len(instances)
+    # the engines' idle CPU, for their share above it: over the idle window, or a second of rest
+    # where `settle` already read the host's
+    idle_wall = IDLE_ENGINES_S
     if idle_cores is None:
-        idle_cpu, idle_wall, _ = await _cpu_of(lambda: asyncio.sleep(plan.idle_s))
+        idle_cpu, engines_idle, idle_wall, _ = await _cpu_of(lambda: asyncio.sleep(plan.idle_s), engine_pids)
         idle_cores = idle_cpu / idle_wall
-    idle_rate = idle_cores
-    windows, report_windows = [], []
+    elif engine_pids:
+        _, engines_idle, idle_wall, _ = await _cpu_of(lambda: asyncio.sleep(IDLE_ENGINES_S), engine_pids)
+    else:
+        engines_idle = 0.0
+    idle_rate, engines_idle_rate = idle_cores, engines_idle / idle_wall
+    windows, modelled, report_windows = [], [], []
     for name, requests, concurrency, tokens in (("streams", plan.stream_requests, STREAMS, STREAM_TOKENS),
                                                 ("short", plan.short_requests, SHORT_CONCURRENCY, SHORT_TOKENS)):
-        cpu, wall, streamed = await _cpu_of(lambda: _load(url, model, requests, concurrency, tokens, seed))
+        cpu, engines_cpu, wall, streamed = await _cpu_of(
+            lambda: _load(url, model, requests, concurrency, tokens, seed), engine_pids)
         above = cpu - idle_rate * wall
-        w = LoadWindow(above, streamed, requests,
-                       engine_seconds(engine, requests, PROMPT_TOKENS, tokens, concurrency / decode))
-        windows.append(w)
+        steps = engine_seconds(engine, requests, PROMPT_TOKENS, tokens, concurrency / decode)
+        engines_above = engines_cpu - engines_idle_rate * wall
+        windows.append(LoadWindow(above, streamed, requests, engines_above if engine_pids else steps))
+        modelled.append(LoadWindow(above, streamed, requests, steps))
         report_windows.append({"window": name, "requests": requests, "concurrency": concurrency,
                                "tokens": streamed, "wall_s": round(wall, 3), "cpu_above_idle_s": round(above, 3),
-                               "engine_steps_s": round(w.engine_s, 3)})
+                               "engine_steps_s": round(steps, 3),
+                               "engine_cpu_above_idle_s": round(engines_above, 3) if engine_pids else None})
         log(f"{name}: {requests} requests, {streamed} tokens in {wall:.1f} s; {above:.2f} s of CPU above idle, "
-            f"{w.engine_s:.2f} s of it engine steps")
+            + (f"{engines_above:.2f} s of it the engines' ({steps:.2f} s of steps by the constants)" if engine_pids
+               else f"{steps:.2f} s of it engine steps by the constants"))
     token_cpu_s, request_cpu_s = fit_serving_cpu(windows)
+    by_steps = fit_serving_cpu(modelled)  # the other reading, for the report: how far the constants' steps are off
     host = SharedHost(engine_cores=engine_cores, cores=cores, token_cpu_s=round(token_cpu_s, 7),
                       request_cpu_s=round(request_cpu_s, 6), idle_cores=round(min(idle_rate, cores), 3),
                       prefill_weight=min(max(weight, 0.1), 10.0), mixed_cores=mixed)
     report = {"stretch_by_busy_engines": stretch_at, "prefill_beside_decode": weight_report,
-              "idle_cores": round(idle_rate, 4), "windows": report_windows, "shared_host": host.model_dump(mode="json")}
+              "idle_cores": round(idle_rate, 4), "engines_idle_cores": round(engines_idle_rate, 4),
+              "engine_cpu": "measured" if engine_pids else "by the constants", "engine_processes": len(engine_pids),
+              "windows": report_windows,
+              "serving_cpu_by_the_constants": {"token_cpu_s": round(by_steps[0], 7),
+                                               "request_cpu_s": round(by_steps[1], 6)},
+              "shared_host": host.model_dump(mode="json")}
     return host, report

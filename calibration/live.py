@@ -44,6 +44,7 @@ class Fleet:
     cost_model: CostModel  # the one the router prices with now: the KV bandwidth and pairs are kept from it
     # every engine of the app, of any model: on one host they all share its processors (`--host`)
     engines: tuple[str, ...] = ()
+    engine_pids: tuple[int, ...] = ()  # and their processes (EngineCores and workers), where they name them
 
     @classmethod
     def from_state(cls, state: dict, model: str | None) -> "Fleet":
@@ -63,7 +64,8 @@ class Fleet:
         if not instances:
             raise LiveCalibrationError(f"model {model!r} has no live instance to measure")
         return cls(model, m["source"], dict(sorted(instances.items())), int(m["max_model_len"]), int(m["max_num_seqs"]),
-                   CostModel.from_dict(m["cost_model_constants"]), tuple(sorted(state["instances"])))
+                   CostModel.from_dict(m["cost_model_constants"]), tuple(sorted(state["instances"])),
+                   tuple(int(pid) for i in state["instances"].values() for pid in i.get("engine_pids") or ()))
 
 
 @dataclass(frozen=True, slots=True)

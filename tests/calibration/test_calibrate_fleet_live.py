@@ -115,6 +115,12 @@ def test_the_running_fleet_is_calibrated_per_instance_and_the_router_prices_with
         assert len(beside["decode_stretch"]) == len(beside["prefill_stretch"]) >= 2
         stretch = r["shared_host"]["stretch_by_busy_engines"]
         assert set(stretch) == {str(k) for k in range(1, len(before["instances"]) + 1)}
+        # the engines' share of each serving window is read from their processes, not from the constants
+        pids = [pid for i in before["instances"].values() for pid in i["engine_pids"]]
+        assert r["shared_host"]["engine_cpu"] == "measured"
+        assert r["shared_host"]["engine_processes"] == len(pids) >= len(before["instances"])
+        for w in r["shared_host"]["windows"]:
+            assert 0 < w["engine_cpu_above_idle_s"] < w["cpu_above_idle_s"], w
         assert set(r["instances"]) == set(cm.instances)
         assert all(f["held_out"]["n"] >= 2 for f in r["instances"].values())
 

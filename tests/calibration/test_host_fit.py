@@ -45,6 +45,56 @@ def test_the_host_cpu_clock_moves_with_work():
     assert host_cpu_s() > t0
 
 
+def test_an_engine_processs_cpu_is_read_over_a_window():
+    """What a process beside this one burns in a window is its CPU, not this process's or the idle host's:
+    the engines' share of a serving window is read this way."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from calibration.host import _cpu_of
+
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                               "while time.process_time() - t < 0.6: pass\nprint('burnt', flush=True)\ninput()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        async def until_it_has_burnt():
+            assert await asyncio.wait_for(asyncio.to_thread(burner.stdout.readline), 60) == "burnt\n"
+
+        _, burnt, _, _ = asyncio.run(_cpu_of(until_it_has_burnt, [burner.pid]))
+        assert 0.5 < burnt <= 0.6 + 0.3  # its start-up's imports on top of the 0.6 s
+        _, idle, _, _ = asyncio.run(_cpu_of(lambda: asyncio.sleep(0.3), [burner.pid]))
+        assert idle < 0.05  # waiting on its input, it burns nothing
+    finally:
+        burner.kill()
+        burner.communicate(timeout=30)
+
+
+def test_an_engine_process_not_on_this_machine_is_named():
+    import os
+
+    from calibration.host import HostCalibrationError, check_engine_processes, process_cpu_s
+
+    gone = subprocess_that_exited()
+    with pytest.raises(HostCalibrationError, match=f"engine process {gone} is not on this machine"):
+        process_cpu_s([gone])
+    with pytest.raises(HostCalibrationError, match=f"engine process {gone} is not on this machine"):
+        check_engine_processes([gone])
+    # a process of this machine that is not an engine: another machine's engine has its number here
+    with pytest.raises(HostCalibrationError, match=f"engine process {os.getpid()} is not on this machine"):
+        check_engine_processes([os.getpid()])
+    check_engine_processes([])  # stand-in engines name none
+
+
+def subprocess_that_exited() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(timeout=30)
+    return p.pid
+
+
 def test_a_quiet_window_reads_no_negative_cpu(monkeypatch):
     """The host's count moves in 10 ms ticks and this process's in nanoseconds: over a short quiet
     window the host can read less than this process alone (it did, on a CI host: -0.008 cores)."""
@@ -58,7 +108,7 @@ def test_a_quiet_window_reads_no_negative_cpu(monkeypatch):
     async def busy():
         sum(i * i for i in range(300_000))
 
-    cpu, wall, _ = asyncio.run(host._cpu_of(busy))
+    cpu, _, wall, _ = asyncio.run(host._cpu_of(busy))
     assert cpu == 0.0 and wall > 0
 
 
