@@ -43,10 +43,10 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from disagg.core.kv_event_fold import KvEventFold
-from disagg.core.ledger import AdmittedWork
 from disagg.core.prefix_index import index_block_tokens
 from disagg.core.types import Role
 from serve_app.autoscale import PLANNED_WIDTH
+from serve_app.call_ledger import CallLedger
 from serve_app.config import AppConfig
 from serve_app.engine import RequestAborted, VllmEngine, engine_processes_under
 from serve_app.engine_args import EngineSpec, kv_events_endpoint
@@ -248,7 +248,7 @@ class EngineServer:
             host = ray.util.get_node_ip_address()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.admitted = AdmittedWork()  # what each router has sent here and not seen end: routers read it
+        self.calls = CallLedger(self.role)  # what each router has sent here and not seen end: routers read it
         self.planned_width: int | None = None  # this pool's width as the router's planner last set it
         self.publisher: StatePublisher | None = None  # from the end of the warm-up on
         self.kv_events: KvEventFollower | None = None  # with KV events on, from the engine's start on
@@ -282,12 +282,16 @@ class EngineServer:
 
     def _admit(self, call: PrefillCall | GenerateCall | DecodeCall) -> None:
         """Hold the call in this engine's ledger, and measure how old the state it was decided on was."""
-        self.admitted.add(call.router, call.work_s)
+        self.calls.arrived(call)
         if self.publisher is not None:  # None during the warm-up only
             self.publisher.call_arrived(call.state_seq, call.decided_at)
 
-    def _release(self, call: PrefillCall | GenerateCall | DecodeCall) -> None:
-        self.admitted.remove(call.router, call.work_s)
+    def _first_token(self, call: GenerateCall | DecodeCall) -> None:
+        if self.calls.first_token(call):
+            self._poke()
+
+    def _release(self, call: PrefillCall | GenerateCall | DecodeCall, after_first_token: bool = False) -> None:
+        self.calls.ended(call, after_first_token)
         self._poke()
 
     async def prefill(self, call: PrefillCall, replica: str | None = None) -> PrefillReply:
@@ -336,12 +340,16 @@ class EngineServer:
                        item: Callable[[list, bool, float], Any]) -> AsyncIterator:
         """`stream` batched per interval (`coalesce`), each batch as `item(batch, first, the call's
         time.monotonic())`: the first names who served it and the engine-side time to the first token.
-        The call is held in this engine's ledger until the stream ends."""
-        called_at, first = time.monotonic(), True
+        The call is held in this engine's ledger until the stream ends, a prefill it made here until
+        its first token (`CallLedger`)."""
+        called_at, first, prefilled = time.monotonic(), True, False
         self._admit(call)
         self.streams += 1
         try:
             async for batch in coalesce(stream, self._stream_interval_s):
+                if not prefilled:
+                    self._first_token(call)
+                    prefilled = True
                 yield item(batch, first, called_at)
                 first = False
         except InvalidRequest:
@@ -350,7 +358,7 @@ class EngineServer:
             raise _with_cause(e) from e
         finally:
             self.streams -= 1
-            self._release(call)
+            self._release(call, after_first_token=prefilled)
 
     def _stream_interval_s(self) -> float:
         """The batching interval of this engine's streams: `stream_interval_s` up to
@@ -390,7 +398,7 @@ class EngineServer:
             kv_used_tokens=s.kv_used_tokens, kv_capacity_tokens=s.kv_capacity_tokens,
             prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
             kv_transfers_ok=s.kv_transfers_ok, kv_transfers_failed=s.kv_transfers_failed,
-            kv_received_tokens=s.kv_received_tokens, admitted=self.admitted.totals(), pid=os.getpid(),
+            kv_received_tokens=s.kv_received_tokens, admitted=self.calls.totals(), pid=os.getpid(),
             block_size=s.block_size, node_id=self.node_id, engine_pids=self.engine_pids,
             kv_events_missed=self.kv_events.missed + self.kv_events.fold.unattributed if self.kv_events else 0)
 

@@ -34,9 +34,9 @@ from enum import IntEnum
 from typing import Any, AsyncIterator
 
 from disagg.core.kv_event_fold import KvEventFold
-from disagg.core.ledger import AdmittedWork
 from disagg.core.prefix_index import index_block_tokens
 from disagg.core.types import Role
+from serve_app.call_ledger import CallLedger
 from serve_app.config import AppConfig, load_cost_model
 from serve_app.messages import EngineStateReport, GenerateCall, OutputDelta, PrefillCall, PrefillReply
 from serve_app.state_push import StatePublisher
@@ -169,7 +169,7 @@ class StandInEngine:
         self.block_size = cfg.engine.block_size or 16
         self.capacity = self.constants.kv_capacity_tokens
         self.stream_interval_s = cfg.engine.stream_interval_s
-        self.admitted = AdmittedWork()
+        self.calls = CallLedger(self.role)
         self.running: dict[str, _Sequence] = {}
         self.prefills_waiting = 0
         self._prefill_lock = asyncio.Lock()  # one prefill at a time, in arrival order
@@ -219,17 +219,17 @@ class StandInEngine:
             replica=self.replica_id, role=self.role, running=len(self.running), waiting=self.prefills_waiting,
             kv_used_tokens=min(self.capacity, self._kv_used()), kv_capacity_tokens=self.capacity,
             prefix_cache_hits=0, prefix_cache_queries=0, kv_transfers_ok=0, kv_transfers_failed=0,
-            kv_received_tokens=0, admitted=self.admitted.totals(), pid=os.getpid(), block_size=self.block_size,
+            kv_received_tokens=0, admitted=self.calls.totals(), pid=os.getpid(), block_size=self.block_size,
             kv_events_missed=self.cache.fold.unattributed if self.cache.fold else 0)
 
     # -- the replica interface -------------------------------------------------------------------
 
     def _admit(self, call: PrefillCall | GenerateCall) -> None:
-        self.admitted.add(call.router, call.work_s)
+        self.calls.arrived(call)
         self.publisher.call_arrived(call.state_seq, call.decided_at)
 
-    def _release(self, call: PrefillCall | GenerateCall) -> None:
-        self.admitted.remove(call.router, call.work_s)
+    def _release(self, call: PrefillCall | GenerateCall, after_first_token: bool = False) -> None:
+        self.calls.ended(call, after_first_token)
         self.publisher.poke()
 
     async def prefill(self, call: PrefillCall, replica: str | None = None) -> PrefillReply:
@@ -243,7 +243,7 @@ class StandInEngine:
 
     async def generate(self, call: GenerateCall, replica: str | None = None) -> AsyncIterator[OutputDelta]:
         self._admit(call)
-        t0 = time.perf_counter()
+        t0, prefilled = time.perf_counter(), False
         try:
             prompt = list(call.prompt_token_ids)
             held = self.cache.fold.held_tokens(prompt) if self.cache.fold else None
@@ -257,7 +257,11 @@ class StandInEngine:
             first = True
             while seq.left > 0 or not seq.tokens.empty():
                 await seq.tokens.get()
-                if not first:
+                if first:
+                    if self.calls.first_token(call):
+                        self.publisher.poke()
+                    prefilled = True
+                else:
                     await asyncio.sleep(self.stream_interval_s)  # batch the tokens of an interval, as the engines do
                 n = 1 + seq.tokens.qsize()
                 for _ in range(n - 1):
@@ -271,7 +275,7 @@ class StandInEngine:
             self.cache.store(prompt + [TOKEN_ID] * (seq.generated - 1))  # the answer's KV, all but the last token's
         finally:
             self.running.pop(call.request_id, None)
-            self._release(call)
+            self._release(call, after_first_token=prefilled)
 
     async def watch(self, router: str = "", replica: str | None = None) -> AsyncIterator[EngineStateReport]:
         async for r in self.publisher.watch():

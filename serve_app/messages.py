@@ -88,6 +88,7 @@ class DecodeCall:
     work_s: float = 0.0  # the decode work the router priced it at, held in the engine's ledger until the end
     state_seq: int = 0  # the version of this engine's state the router decided on (0: none)
     decided_at: float = 0.0  # when it decided (wall clock): the engine measures how old that state was
+    prefill_work_s: float = 0.0  # the work of its prefill here (no KV given), held until its first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,7 @@ class GenerateCall:
     work_s: float = 0.0  # the decode work the router priced it at, held in the engine's ledger until the end
     state_seq: int = 0  # the version of this engine's state the router decided on (0: none)
     decided_at: float = 0.0  # when it decided (wall clock): the engine measures how old that state was
+    prefill_work_s: float = 0.0  # the work of its prefill here (no KV given), held until its first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +185,8 @@ class EngineStateReport:
     kv_transfers_ok: int  # NIXL reads that completed (a request may need several)
     kv_transfers_failed: int  # KV transfers that failed
     kv_received_tokens: int  # prompt tokens whose KV arrived from a remote engine
-    admitted: dict[str, tuple[float, int]] = field(default_factory=dict)  # router → (work s, calls) it is serving
+    # router → (work s, calls, calls served whole here) it is serving: `AdmittedWork.totals`
+    admitted: dict[str, tuple[float, int, int]] = field(default_factory=dict)
     pid: int = 0  # the replica's process (its vLLM engine processes are its children)
     engine_pids: tuple[int, ...] = ()  # its vLLM engine's processes: the EngineCore first, then its workers
     block_size: int = 0  # tokens per KV block (the router's prefix index hashes in multiples of it)

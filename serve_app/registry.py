@@ -172,8 +172,8 @@ class InstanceRegistry:
         if inst is not None and r.seq and r.seq <= inst.report.seq:  # a poll's answer no newer than the push
             inst.last_seen = now
             return iid
-        others_s, others_n = others(r.admitted, self.router_id)  # what the other router replicas sent there
-        polled = PolledState(r.kv_used_tokens, r.kv_capacity_tokens, r.running, r.waiting, others_s, others_n)
+        others_s, others_n, others_h = others(r.admitted, self.router_id)  # what the other router replicas sent there
+        polled = PolledState(r.kv_used_tokens, r.kv_capacity_tokens, r.running, r.waiting, others_s, others_n, others_h)
         if inst is None:
             self.instances[iid] = Instance(iid, role, model.name, r.replica, r, polled, now)
             logger.info("router: instance %s joined", iid)

@@ -105,11 +105,13 @@ class FlightStreams:
             inst = self.registry.get(target)
             if inst is None:
                 continue
-            # a prefill engine serving the request whole counts only its prefill as the call's work,
-            # as the ledger's prefill view does: the decode runs beside its prefills, not ahead of them
-            work_s = f.work_s[0] if inst.role is Role.PREFILL else f.work_s[1]
-            call = GenerateCall(f"{f.rid}-d{n}", f.prompt_ids, self._sample_params(f, 0), kv if n == 0 else None,
-                                self.router_id, work_s, *decided_on(f, target))
+            # the engine holds what this router's ledger holds: a prefill made here until the first
+            # token, the decode to the end — but not on a prefill engine serving the request whole,
+            # where the decode runs beside its prefills, not ahead of them
+            local = kv is None or n > 0
+            call = GenerateCall(f"{f.rid}-d{n}", f.prompt_ids, self._sample_params(f, 0), None if local else kv,
+                                self.router_id, 0.0 if inst.role is Role.PREFILL else f.work_s[1],
+                                *decided_on(f, target), prefill_work_s=f.work_s[0] if local else 0.0)
             try:
                 f.stream, f.first_delta = await self._open(f, inst, call)
             except (asyncio.CancelledError, ApiError):
@@ -262,7 +264,7 @@ class FlightStreams:
             f.state_seen, f.decided_at = self.registry.versions(inst.instance_id), time.time()
             call = GenerateCall(f"{f.rid}-m{len(f.migrated_from)}", prompt,
                                 continuation_params(f.params, f.generated), None, self.router_id, dw,
-                                *decided_on(f, inst.instance_id))
+                                *decided_on(f, inst.instance_id), prefill_work_s=pw)
             try:
                 f.stream, first = await self._open(f, inst, call)
             except (asyncio.CancelledError, ApiError):

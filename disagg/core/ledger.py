@@ -53,10 +53,11 @@ class _Totals:
 class PolledState:
     """What an engine last reported (see the engine's `state()` call).
 
-    `others_backlog_s` / `others_queued`: the work *other* router replicas have admitted to this
-    engine, from the engine's own ledger of the calls it has received (each router sees its own
-    admissions at once in its `Ledger`, and everyone else's as of its latest poll). Zero with
-    one router.
+    `others_backlog_s` / `others_queued` / `others_hosted`: the work *other* router replicas have
+    admitted to this engine, its calls, and the requests of theirs it serves whole (a prefill
+    engine's hosted decodes), from the engine's own ledger of the calls it has received (each
+    router sees its own admissions at once in its `Ledger`, and everyone else's as of its latest
+    poll). Zero with one router.
     """
 
     kv_used_tokens: int
@@ -65,6 +66,7 @@ class PolledState:
     waiting: int = 0
     others_backlog_s: float = 0.0
     others_queued: int = 0
+    others_hosted: int = 0
 
 
 class Ledger:
@@ -172,9 +174,10 @@ class Ledger:
         if v is not None and t.view_poll is polled and v.role is role and v.prefix_lookup is prefix_lookup:
             return v
         backlog, hosted = t.backlog_s, 0
-        if t.hosted and role is Role.PREFILL:
+        if role is Role.PREFILL and (t.hosted or polled.others_hosted):
             # the queue a prefill waits behind: the decodes hosted here run beside it, not ahead of it
-            backlog, hosted = max(0.0, backlog - t.hosted_decode_s), t.hosted
+            # (the other routers' hosted calls hold no work past their first token: `AdmittedWork`)
+            backlog, hosted = max(0.0, backlog - t.hosted_decode_s), t.hosted + polled.others_hosted
         t.view, t.view_poll = InstanceView(
             instance_id, role,
             backlog + polled.others_backlog_s,  # backlog_s
@@ -204,34 +207,50 @@ class AdmittedWork:
     The engine adds a call's priced work when the call arrives and removes it when the call ends
     (a prefill when it returns, a decode at its last token); each router reads the *other*
     routers' totals from the engine's state (`others`) and adds its own, live, from its `Ledger`.
+    What the engines report is what the routers' own ledgers count, so that a router sees the
+    others' requests as it sees its own:
+    - a call that prefills here before it decodes carries that prefill's work apart, which the
+      engine `release`s at the call's first token (the router's `Ledger.prefill_done`);
+    - a call a prefill engine serves whole (hosted) holds no work after its first token (its decode
+      runs beside the prefills, not ahead of them) and is counted as hosted until its end: the
+      decodes a prefill instance hosts are what its prefills stall.
     """
 
     def __init__(self) -> None:
-        self._by_router: dict[str, list] = {}  # router id → [work seconds, calls]
+        self._by_router: dict[str, list] = {}  # router id → [work seconds, calls, hosted calls]
 
-    def add(self, router: str, work_s: float) -> None:
-        t = self._by_router.setdefault(router, [0.0, 0])
+    def add(self, router: str, work_s: float, hosted: bool = False) -> None:
+        t = self._by_router.setdefault(router, [0.0, 0, 0])
         t[0] += work_s
         t[1] += 1
+        t[2] += hosted
 
-    def remove(self, router: str, work_s: float) -> None:
+    def release(self, router: str, work_s: float) -> None:
+        """Part of a call's work is done (its prefill, at its first token); the call goes on."""
+        t = self._by_router.get(router)
+        if t is not None:
+            t[0] = max(0.0, t[0] - work_s)
+
+    def remove(self, router: str, work_s: float, hosted: bool = False) -> None:
         t = self._by_router.get(router)
         if t is None:
             return
         t[0] = max(0.0, t[0] - work_s)
         t[1] -= 1
+        t[2] = max(0, t[2] - hosted)
         if t[1] <= 0:
             del self._by_router[router]
 
-    def totals(self) -> dict[str, tuple[float, int]]:
-        return {r: (w, n) for r, (w, n) in self._by_router.items()}
+    def totals(self) -> dict[str, tuple[float, int, int]]:
+        return {r: (w, n, h) for r, (w, n, h) in self._by_router.items()}
 
 
-def others(totals: dict[str, tuple[float, int]], router: str) -> tuple[float, int]:
-    """(work seconds, calls) that routers other than `router` have on an engine, from its totals."""
-    work, calls = 0.0, 0
-    for r, (w, n) in totals.items():
+def others(totals: dict[str, tuple[float, int, int]], router: str) -> tuple[float, int, int]:
+    """(work seconds, calls, hosted calls) that routers other than `router` have on an engine, from its totals."""
+    work, calls, hosted = 0.0, 0, 0
+    for r, (w, n, h) in totals.items():
         if r != router:
             work += w
             calls += n
-    return work, calls
+            hosted += h
+    return work, calls, hosted

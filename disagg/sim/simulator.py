@@ -158,6 +158,7 @@ class _Flight:
     prefill_work_s: float = 0.0  # priced at admission; the calls carry it to the engines' ledgers
     decode_work_s: float = 0.0
     call_work_s: float = 0.0  # what the call serving its last token carries to that engine's ledger
+    call_prefill_s: float = 0.0  # and the prefill it makes there (colocated, hosted): held to its first token
     outside_s: float = 0.0  # its time outside the engines (the serving path), by the host's load at arrival
 
 
@@ -381,21 +382,32 @@ class Simulator:
         e = self.engines[iid]
         if self.routers == 1 or not self.others_totals:
             return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens)
-        work, calls = others(self.received[iid].totals(), self.router_ids[k])
-        return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens, others_backlog_s=work, others_queued=calls)
+        work, calls, hosted = others(self.received[iid].totals(), self.router_ids[k])
+        return PolledState(e.kv_used_tokens, e.c.kv_capacity_tokens, others_backlog_s=work, others_queued=calls,
+                           others_hosted=hosted)
 
-    def _call_arrived(self, iid: str, k: int, work_s: float) -> None:
-        """A call of router k, carrying its priced work, reached engine `iid`."""
+    def _call_arrived(self, iid: str, k: int, work_s: float, hosted: bool = False) -> None:
+        """A call of router k, carrying its priced work, reached engine `iid` (`hosted`: a prefill
+        engine serves it whole)."""
         if self.routers == 1:  # only the other routers' calls are ever read (`_poll_one`)
             return
-        self.received[iid].add(self.router_ids[k], work_s)
+        self.received[iid].add(self.router_ids[k], work_s, hosted)
         self._received_version[iid] += 1
 
-    def _call_ended(self, iid: str, k: int, work_s: float) -> None:
+    def _call_prefilled(self, iid: str, f: "_Flight") -> None:
+        """The prefill a call of `f`'s router made on engine `iid` is done: its work leaves the
+        engine's ledger, the call stays (`AdmittedWork.release`, as a live engine at the first token)."""
+        work, f.call_prefill_s = f.call_prefill_s, 0.0
+        if self.routers == 1 or not work:
+            return
+        self.received[iid].release(self.router_ids[f.router], work)
+        self._received_version[iid] += 1
+
+    def _call_ended(self, iid: str, k: int, work_s: float, hosted: bool = False) -> None:
         """A call of router k on engine `iid` ended (a prefill returned, a decode's last token)."""
         if self.routers == 1:
             return
-        self.received[iid].remove(self.router_ids[k], work_s)
+        self.received[iid].remove(self.router_ids[k], work_s, hosted)
         self._received_version[iid] += 1
 
     def _pushed(self, iid: str, k: int, now: float) -> PolledState:
@@ -503,10 +515,10 @@ class Simulator:
                 out = engine.end_step(now)
                 if awaiting_prefill[iid]:
                     self._cache_colocated_prefills(iid)
-                if out.started and self.roles[iid] is Role.PREFILL:
-                    for job in out.started:  # a hosted request's prefill is done: only its decode is left here
-                        f = job.payload
-                        ledgers[f.router].prefill_done(f.rid)
+                for job in out.started:  # a colocated or hosted request's first token: its prefill is done,
+                    f = job.payload  # as the live router and engine mark it then
+                    ledgers[f.router].prefill_done(f.rid)
+                    self._call_prefilled(iid, f)
                 for job in out.prefilled:
                     f: _Flight = job.payload
                     if f.req.prefix_hashes:
@@ -524,7 +536,8 @@ class Simulator:
                         self._call_decode(f, now)
                 for job in out.finished:
                     f = job.payload
-                    self._call_ended(iid, f.router, f.call_work_s)
+                    self._call_ended(iid, f.router, f.call_work_s + f.call_prefill_s,
+                                     f.prefill_id == f.decode_id and self.roles[iid] is Role.PREFILL)
                     ledgers[f.router].finish(f.rid)
                     predictors[f.router].observe(f.req.prompt_tokens, f.slo, f.req.output_tokens)
                     instance_tokens[f.decode_id] += f.req.output_tokens
@@ -646,15 +659,17 @@ class Simulator:
                 self.signals.hosted()
         # the call reaches its engine now (its poll was taken in _views, at this same time)
         colocated = f.prefill_id == f.decode_id
+        hosted = colocated and self.roles[f.decode_id] is Role.PREFILL
         if colocated:
-            # the work the serving engine counts for the call: a prefill instance hosting the whole
-            # request reports only its prefill (the decode runs beside its prefills, not ahead of them)
-            f.call_work_s = prefill_work + (decode_work if self.roles[f.decode_id] is not Role.PREFILL else 0.0)
+            # the work the serving engine counts for the call, as a live engine does: its prefill until
+            # the first token, then its decode — none on a prefill instance hosting the whole request
+            # (the decode runs beside its prefills, not ahead of them)
+            f.call_prefill_s, f.call_work_s = prefill_work, 0.0 if hosted else decode_work
         else:
             f.call_work_s = decode_work
         if self.peer_notify_s is not None:
             if colocated:
-                self._notify_peers(f.router, f.decode_id, f.call_work_s, now)
+                self._notify_peers(f.router, f.decode_id, f.call_prefill_s + f.call_work_s, now)
             else:
                 self._notify_peers(f.router, f.prefill_id, prefill_work, now)
         if colocated:
@@ -663,7 +678,7 @@ class Simulator:
             if r.prefix_hashes:
                 self._start_from_cache(job, f.decode_id, r.prefix_hashes)
                 self._awaiting_prefill[f.decode_id].append(f)
-            self._call_arrived(f.decode_id, f.router, f.call_work_s)
+            self._call_arrived(f.decode_id, f.router, f.call_prefill_s + f.call_work_s, hosted)
             self.engines[f.decode_id].submit(job)
             self._poke(f.decode_id, now)
         else:

@@ -244,19 +244,37 @@ def test_engine_ledger_totals_per_router_and_releases_what_it_added():
     w.add("r1", 0.5)
     w.add("r1", 0.25)
     w.add("r2", 2.0)
-    assert w.totals() == {"r1": (0.75, 2), "r2": (2.0, 1)}
+    assert w.totals() == {"r1": (0.75, 2, 0), "r2": (2.0, 1, 0)}
     w.remove("r1", 0.5)
     w.remove("r2", 2.0)
     w.remove("r3", 1.0)  # a call this engine never counted: ignored
-    assert w.totals() == {"r1": (0.25, 1)}
+    assert w.totals() == {"r1": (0.25, 1, 0)}
 
 
-@pytest.mark.parametrize("me, expect", [("r1", (2.5, 3)), ("r2", (1.25, 4)), ("r9", (3.25, 5))])
+def test_engine_ledger_releases_a_calls_prefill_at_its_first_token_and_counts_hosted_calls_to_their_end():
+    """What the routers' own ledgers count: a call's prefill made on the engine leaves at the first token
+    (`Ledger.prefill_done`), the call stays; a prefill engine's hosted call holds no work after it."""
+    from disagg.core.ledger import AdmittedWork
+
+    w = AdmittedWork()
+    w.add("r1", 0.2 + 1.5)  # colocated on a decode engine: its prefill, then its decode
+    w.add("r1", 0.3, hosted=True)  # served whole by a prefill engine: its prefill only
+    w.release("r1", 0.2)
+    w.release("r1", 0.3)
+    assert w.totals() == {"r1": (approx(1.5), 2, 1)}
+    w.remove("r1", 0.0, hosted=True)
+    assert w.totals() == {"r1": (approx(1.5), 1, 0)}
+    w.remove("r1", 1.5)
+    w.release("r1", 0.1)  # a call this engine no longer counts: ignored
+    assert w.totals() == {}
+
+
+@pytest.mark.parametrize("me, expect", [("r1", (2.5, 3, 1)), ("r2", (1.25, 4, 2)), ("r9", (3.25, 5, 2))])
 def test_others_sums_every_router_but_the_asking_one(me, expect):
     from disagg.core.ledger import others
 
-    totals = {"r1": (0.75, 2), "r2": (2.0, 1), "r3": (0.5, 2)}
-    assert others(totals, me) == (approx(expect[0]), expect[1])
+    totals = {"r1": (0.75, 2, 1), "r2": (2.0, 1, 0), "r3": (0.5, 2, 1)}
+    assert others(totals, me) == (approx(expect[0]), expect[1], expect[2])
 
 
 def test_view_adds_other_routers_work_to_this_routers_ledger():
@@ -265,3 +283,16 @@ def test_view_adds_other_routers_work_to_this_routers_ledger():
     polled = PolledState(kv_used_tokens=0, kv_capacity_tokens=10_000, others_backlog_s=2.0, others_queued=3)
     v = led.view("d0", Role.DECODE, polled)
     assert (v.backlog_s, v.queued) == (approx(3.0), 4)
+
+
+def test_a_prefill_views_hosted_decodes_are_every_routers():
+    """The decodes other routers host on a prefill instance are the ones its prefills stall as much as
+    this router's: a router blind to them hosts beside them and sends prefills over them."""
+    led = Ledger()
+    led.admit("h", "p0", "p0", 0.2, 1.0, 100)  # this router hosts one there: its decode runs beside the queue
+    polled = PolledState(kv_used_tokens=0, kv_capacity_tokens=10_000, others_backlog_s=0.5, others_queued=3,
+                         others_hosted=2)
+    v = led.view("p0", Role.PREFILL, polled)
+    assert (v.hosted, v.queued) == (3, 4) and v.backlog_s == approx(0.2 + 0.5)
+    alone = led.view("p1", Role.PREFILL, polled)  # only the others host there
+    assert (alone.hosted, alone.backlog_s) == (2, approx(0.5))

@@ -85,6 +85,9 @@ def test_a_request_hosted_on_the_prefill_instance_streams_from_there_alone(tmp_p
     (line,) = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
     assert line["prefill"] == line["decode"] == "prefill-p0" and line["fallback"] is None
     cm = r.served["tiny-qwen2"].cost_model
-    assert call.work_s == pytest.approx(cm.for_instance("prefill-p0").prefill_s(len(call.prompt_token_ids)))
+    # the engine holds its prefill's work until the first token and no decode work after it (the decode runs
+    # beside the prefills there, not ahead of them), as this router's own ledger does
+    assert call.prefill_work_s == pytest.approx(cm.for_instance("prefill-p0").prefill_s(len(call.prompt_token_ids)))
+    assert call.work_s == 0.0
     assert (r.counters.failed, r.counters.prefill_retries, r.counters.decode_retries) == (0, 0, 0)
     assert len(r.dispatcher.ledger) == 0

@@ -47,7 +47,7 @@ class _Pool(StandInPool):
     queued = 0
 
     def state(self, replica):
-        return idle_state(replica, self.role, {"other": (2.0 * self.queued, self.queued)} if self.queued else None)
+        return idle_state(replica, self.role, {"other": (2.0 * self.queued, self.queued, 0)} if self.queued else None)
 
     def decode_stream(self, call, replica):
         return _OneToken(replica)

@@ -45,7 +45,7 @@ def test_moved_counts_routing_signals_and_whole_kv_steps_only():
     assert moved(a, replace(a, kv_used_tokens=16), 16)
     assert moved(a, replace(a, running=1), 16)
     assert moved(a, replace(a, waiting=2), 16)
-    assert moved(a, replace(a, admitted={"router-a": (0.5, 1)}), 16)
+    assert moved(a, replace(a, admitted={"router-a": (0.5, 1, 0)}), 16)
 
 
 @in_loop

@@ -32,7 +32,9 @@ def _fingerprint(records) -> str:
 # Digests of the same runs by the simulator as it was before router replicas existed (commit
 # 499203b, computed with that code): one router must reproduce it decision for decision. If the
 # engine model or a policy changes on purpose, recompute them with `_fingerprint` on that code.
-OLD_PATH = {"marginal_cost": "14896d328d135b20", "pair_cost": "9d4baf13018b9356", "least_loaded": "bfc94c5f6bf58218"}
+# pair_cost's moved on 2026-12-07: a colocated prefill leaves the router's ledger at its first token,
+# as it does live, not at the request's end (computed with that commit's one-router path).
+OLD_PATH = {"marginal_cost": "14896d328d135b20", "pair_cost": "f39e870c2924f257", "least_loaded": "bfc94c5f6bf58218"}
 
 
 @pytest.mark.parametrize("policy", sorted(OLD_PATH))
@@ -244,3 +246,35 @@ def test_cli_sim_refuses_a_bad_router_count(small_trace, tmp_path, capsys, bad):
     err = capsys.readouterr().err
     assert "--routers" in err and bad in err
     assert not out.exists()
+
+
+# The CPU profile as one 2-core host fitted it (`make run`, 2026-12-07): every engine on one core,
+# where serving a request whole on a prefill instance (hosting) is what pays
+CPU_HOST = {
+    "name": "cpu-host-fitted",
+    "engine": {"step_base_s": 0.0023, "prefill_token_s": 1.43e-5, "decode_seq_s": 4.8e-5, "prefill_overhead_s": 0.0021,
+               "prefill_attention_s": 1.26e-8, "kv_capacity_tokens": 131072, "block_size": 16, "max_num_seqs": 64,
+               "max_batched_tokens": 2048},
+    "transfer": {"latency_s": 0.0124, "tokens_per_s": 2.0e6, "between_prefill_steps": True},
+    "slo": {"tight": {"ttft_s": 0.105, "tpot_s": 0.00615}, "loose": {"ttft_s": 0.315, "tpot_s": 0.0184}},
+    "serving_overhead_s": 0.0088, "handoff_overhead_s": 0.0029,
+    "shared_host": {"engine_cores": 0.89, "cores": 2.0, "token_cpu_s": 0.000332, "request_cpu_s": 0.0113,
+                    "idle_cores": 0.19, "prefill_weight": 1.83, "mixed_cores": 0.99},
+}
+
+
+def test_two_routers_host_as_well_as_one_when_each_sees_the_others_hosted_decodes():
+    """Routers that host decodes on the same prefill instances see each other's as their own: the
+    engines count hosted calls apart, and hold a hosted call's prefill only until its first token,
+    as the sending router's ledger does (`serve_app.call_ledger`). Blind to them (the others' hosted
+    decodes unseen, their prefills' work held to the decodes' end), two routers met 0.85 of these
+    requests where one router met all of them."""
+    from disagg.core.cost_model import CostModel
+
+    host = CostModel.model_validate(CPU_HOST)
+    trace = prepare_trace(generate("multi_turn_chat", 600, 4.0, 0, max_context_tokens=2048), 3.0, 0.5, 0)
+    one, res1 = simulate(trace, host, Topology.parse("2P2D"), "slo_goodput", routers=1)
+    two, res2 = simulate(trace, host, Topology.parse("2P2D"), "slo_goodput", routers=2)
+    hosted = sum(r.prefill_id == r.decode_id and r.prefill_id.startswith("prefill") for r in res2.records)
+    assert hosted > len(trace) // 2  # the case in question: most requests hosted
+    assert one["goodput"] > 0.95 and two["goodput"] > one["goodput"] - 0.05, (one["goodput"], two["goodput"])
