@@ -39,7 +39,7 @@ def cmd_calibrate_live(args) -> int:
         serving_overhead,
     )
     from calibration.live import LiveCalibrationError, calibrate_fleet
-    from calibration.measure import SERVING_PROBE_TOKENS, TRANSFER_PROBE_TOKENS, serving_path_gaps
+    from calibration.measure import SERVING_PROBE_TOKENS, TRANSFER_PROBE_TOKENS, detours, serving_path_gaps
 
     if args.url is None:
         raise UsageError("--live measures a running app: give its --url")
@@ -74,16 +74,10 @@ def cmd_calibrate_live(args) -> int:
         gaps = asyncio.run(serving_path_gaps(url, lengths, args.url_requests, seed=args.seed))
         # each path on lone requests that take it: a policy that colocates lone requests sends none
         # through a prefill engine, one that disaggregates none through one engine alone
-        detours = []
-        splits = "prefill" in fleet.instances.values()
-        if splits and not any(g.disaggregated for g in gaps):
-            with _routed_with(url, fleet.model, "round_robin"):
-                gaps += asyncio.run(serving_path_gaps(url, lengths, args.url_requests, seed=args.seed + 1))
-            detours.append("round_robin")
-        if not any(not g.disaggregated for g in gaps):
-            with _routed_with(url, fleet.model, "colocated"):
-                gaps += asyncio.run(serving_path_gaps(url, lengths, args.url_requests, seed=args.seed + 2))
-            detours.append("colocated")
+        detoured = detours(gaps, splits="prefill" in fleet.instances.values())
+        for n, policy in enumerate(detoured, 1):
+            with _routed_with(url, fleet.model, policy):
+                gaps += asyncio.run(serving_path_gaps(url, lengths, args.url_requests, seed=args.seed + n))
         alone = [g.outside_s for g in gaps if not g.disaggregated and g.prompt_tokens == SERVING_PROBE_TOKENS]
         overhead = serving_overhead(alone)
         handoff = handoff_overhead([g.outside_s for g in gaps if g.disaggregated
@@ -118,8 +112,8 @@ def cmd_calibrate_live(args) -> int:
     print(f"\nserving path: {overhead * 1e3:.1f} ms outside the engines (median of {len(alone)} lone "
           f"{SERVING_PROBE_TOKENS}-token requests on one engine)"
           + (f"; a hand-off {cm.handoff_overhead_s * 1e3:.1f} ms more" if handoff is not None else ""))
-    if detours:
-        print(f"lone requests routed with {' and '.join(detours)} to measure every path, the app's own policy "
+    if detoured:
+        print(f"lone requests routed with {' and '.join(detoured)} to measure every path, the app's own policy "
               "restored after")
     print(f"SLO tight TTFT {t.ttft_s * 1e3:.0f} ms / TPOT {t.tpot_s * 1e3:.1f} ms; "
           f"loose TTFT {l.ttft_s * 1e3:.0f} ms / TPOT {l.tpot_s * 1e3:.1f} ms")

@@ -223,6 +223,16 @@ class LoneRequest(NamedTuple):
     prompt_tokens: int
 
 
+def detours(gaps: Sequence[LoneRequest], splits: bool) -> list[str]:
+    """The policies to route more lone requests with, so that the short ones, which the serving path
+    and the hand-off are measured on, take both paths: `round_robin` if none of them crossed a
+    prefill engine where the app has one (`splits`), `colocated` if none was served by one engine
+    alone. The app's own policy may send a long prompt one way and a short one the other."""
+    short = [g for g in gaps if g.prompt_tokens == SERVING_PROBE_TOKENS]
+    return ((["round_robin"] if splits and not any(g.disaggregated for g in short) else [])
+            + (["colocated"] if all(g.disaggregated for g in short) else []))
+
+
 async def serving_path_gaps(url: str, prompt_tokens: int | tuple[int, ...], n: int, seed: int = 0,
                             timeout_s: float = 60.0) -> list[LoneRequest]:
     """`n` lone streaming requests through a running app per prompt length (one length, or several

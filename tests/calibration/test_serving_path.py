@@ -102,3 +102,19 @@ def test_no_crossing_no_transfer_and_never_a_negative_cost():
     assert live_transfer([r._replace(disaggregated=False) for r in lones], cm) is None  # nothing crossed
     early = [r._replace(decode_first_s=0.0) for r in lones]
     assert live_transfer(early, cm)[0].latency_s == 0.0
+
+
+def test_the_short_lone_requests_take_both_paths_whatever_the_long_ones_take():
+    """The serving path and the hand-off are measured on the short lone requests: a policy that
+    disaggregates only the long prompts still leaves the hand-off to measure with `round_robin`."""
+    from calibration.measure import SERVING_PROBE_TOKENS, LoneRequest, detours
+
+    def lone(tokens: int, disaggregated: bool) -> LoneRequest:
+        return LoneRequest(0.05, 0.01, 0.03, "decode-1", disaggregated, tokens)
+
+    whole, split = lone(SERVING_PROBE_TOKENS, False), lone(SERVING_PROBE_TOKENS, True)
+    long_split = lone(1024, True)
+    assert detours([whole, whole, long_split], splits=True) == ["round_robin"]
+    assert detours([whole, split, long_split], splits=True) == []
+    assert detours([split, split], splits=True) == ["colocated"]
+    assert detours([whole], splits=False) == []  # no prefill engine: nothing crosses one
