@@ -91,8 +91,7 @@ def process_cpu_s(pids: Sequence[int]) -> float:
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
         except (FileNotFoundError, ProcessLookupError):
-            raise HostCalibrationError(f"engine process {pid} is not on this machine or has exited: the host is "
-                                       "measured where the command runs, which must be the app's machine") from None
+            raise _not_here(pid) from None
         fields = stat[stat.rindex(")") + 2:].split()  # after the command, which may hold spaces
         total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
     return total * TICK_S
@@ -101,17 +100,16 @@ def process_cpu_s(pids: Sequence[int]) -> float:
 def check_engine_processes(pids: Sequence[int]) -> None:
     """Each of `pids` is a vLLM engine process of this machine: an app on other machines may name
     processes whose numbers belong to something else here."""
-    from serve_app.engine import ENGINE_PROCESS_MARKERS
+    from serve_app.engine import engine_command
 
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            cmd = ""
-        if not any(m in cmd for m in ENGINE_PROCESS_MARKERS):
-            raise HostCalibrationError(f"engine process {pid} is not on this machine or has exited: the host is "
-                                       "measured where the command runs, which must be the app's machine")
+        if engine_command(pid) is None:
+            raise _not_here(pid)
+
+
+def _not_here(pid: int) -> HostCalibrationError:
+    return HostCalibrationError(f"engine process {pid} is not on this machine or has exited: the host is "
+                                "measured where the command runs, which must be the app's machine")
 
 
 def fit_engine_cores(stretch_at: dict[int, float], most: float) -> float:

@@ -174,16 +174,17 @@ def engine_processes_under(pid: int) -> dict[int, str]:
     Parent links only, no start-time check: psutil's `children()` drops a child whose start time
     reads earlier than its parent's, and it adds the boot time read anew each call, which moves
     with the wall clock (a clock step on a VM hides every child)."""
-    out = {}
-    for child in descendants(pid):
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        if any(m in cmd for m in ENGINE_PROCESS_MARKERS):
-            out[child] = cmd
-    return out
+    return {child: cmd for child in descendants(pid) if (cmd := engine_command(child)) is not None}
+
+
+def engine_command(pid: int) -> str | None:
+    """Process `pid`'s command line if it is a vLLM engine process of this machine, else None."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+    return cmd if any(m in cmd for m in ENGINE_PROCESS_MARKERS) else None
 
 
 def descendants(pid: int) -> list[int]:
