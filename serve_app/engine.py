@@ -187,6 +187,13 @@ def engine_command(pid: int) -> str | None:
     return cmd if any(m in cmd for m in ENGINE_PROCESS_MARKERS) else None
 
 
+def engine_tree(cores: Sequence[int]) -> tuple[int, ...]:
+    """The EngineCore processes `cores`, then their descendants that are vLLM engine processes (the
+    workers). Other descendants come and go (a compile worker pool, a probe's subprocess): a reader of
+    the engine's CPU given one would fail when it exits."""
+    return tuple(list(cores) + [d for c in cores for d in descendants(c) if engine_command(d) is not None])
+
+
 def descendants(pid: int) -> list[int]:
     """Every process descended from process `pid` (parent links in /proc), nearest first."""
     parents = {}
@@ -385,7 +392,7 @@ class VllmEngine:
         them, then their descendants (the workers). Empty before start and after shutdown."""
         resources = getattr(getattr(self._llm, "engine_core", None), "resources", None)
         cores = [p.pid for p in getattr(getattr(resources, "engine_manager", None), "processes", ()) if p.pid]
-        return tuple(cores + [d for c in cores for d in descendants(c)])
+        return engine_tree(cores)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine and its EngineCore process. Safe to call twice."""

@@ -86,6 +86,30 @@ def test_an_engine_process_not_on_this_machine_is_named():
     check_engine_processes([])  # stand-in engines name none
 
 
+def test_an_engines_processes_are_its_core_and_workers_not_their_passing_helpers():
+    """A helper the EngineCore starts (a compile worker pool, a probe) may exit while the engine runs:
+    the host fit, reading the engine's processes, then failed on a CI host with "engine process ...
+    has exited". An engine names its core and the descendants that are vLLM's workers."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from serve_app.engine import descendants, engine_tree
+
+    core = subprocess.Popen(["bash", "-c", "(exec -a VLLM::Worker sleep 60) & sleep 60 & wait"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(descendants(core.pid)) < 2:
+            assert time.monotonic() < deadline, "the stand-in core's two children did not start"
+            time.sleep(0.05)
+        [worker] = [p for p in descendants(core.pid) if "VLLM::Worker" in open(f"/proc/{p}/cmdline").read()]
+        assert engine_tree([core.pid]) == (core.pid, worker)
+    finally:
+        os.killpg(core.pid, signal.SIGKILL)
+        core.wait(timeout=10)
+
+
 def subprocess_that_exited() -> int:
     import subprocess
     import sys
