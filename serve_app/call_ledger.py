@@ -36,12 +36,11 @@ class CallLedger:
     def arrived(self, call: Call) -> None:
         self._work.add(call.router, call.work_s + prefill_held_s(call), hosted=self._hosted(call))
 
-    def first_token(self, call: GenerateCall | DecodeCall) -> bool:
-        """The call's prefill here is done: its work leaves, the call stays. Whether the totals moved."""
-        held = prefill_held_s(call)
-        if held:
+    def first_token(self, call: GenerateCall | DecodeCall) -> None:
+        """The call's prefill here is done: its work leaves, the call stays (no version of the state
+        of its own: `serve_app.state_push.moved`)."""
+        if held := prefill_held_s(call):
             self._work.release(call.router, held)
-        return bool(held)
 
     def ended(self, call: Call, after_first_token: bool = False) -> None:
         held = call.work_s + (0.0 if after_first_token else prefill_held_s(call))

@@ -286,10 +286,6 @@ class EngineServer:
         if self.publisher is not None:  # None during the warm-up only
             self.publisher.call_arrived(call.state_seq, call.decided_at)
 
-    def _first_token(self, call: GenerateCall | DecodeCall) -> None:
-        if self.calls.first_token(call):
-            self._poke()
-
     def _release(self, call: PrefillCall | GenerateCall | DecodeCall, after_first_token: bool = False) -> None:
         self.calls.ended(call, after_first_token)
         self._poke()
@@ -348,7 +344,7 @@ class EngineServer:
         try:
             async for batch in coalesce(stream, self._stream_interval_s):
                 if not prefilled:
-                    self._first_token(call)
+                    self.calls.first_token(call)
                     prefilled = True
                 yield item(batch, first, called_at)
                 first = False

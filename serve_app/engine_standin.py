@@ -258,8 +258,7 @@ class StandInEngine:
             while seq.left > 0 or not seq.tokens.empty():
                 await seq.tokens.get()
                 if first:
-                    if self.calls.first_token(call):
-                        self.publisher.poke()
+                    self.calls.first_token(call)
                     prefilled = True
                 else:
                     await asyncio.sleep(self.stream_interval_s)  # batch the tokens of an interval, as the engines do

@@ -51,6 +51,8 @@ received-call totals) is a version that every router sees `push_s` after it happ
 engines coalesce changes over 5 ms and the stream takes its share), and a router's own admissions
 count until its view of the instance is a newer version. Lazy and exact like the polls: a version
 is published at the first touch of the engine after its change, stamped with the change's time.
+(The live engines make a version only when a routing signal moves: KV use by 1/64 of the cache,
+and a prefill's work leaving at its first token with the next change; here each is one at once.)
 
 Peer notices (`peer_notify_s`, off by default): each router also tells the others of every call it
 sends (prefill, decode, or colocated: instance and priced work) at once; a notice is visible to a

@@ -45,7 +45,11 @@ def test_moved_counts_routing_signals_and_whole_kv_steps_only():
     assert moved(a, replace(a, kv_used_tokens=16), 16)
     assert moved(a, replace(a, running=1), 16)
     assert moved(a, replace(a, waiting=2), 16)
-    assert moved(a, replace(a, admitted={"router-a": (0.5, 1, 0)}), 16)
+    calls = replace(a, admitted={"router-a": (0.5, 1, 0)})
+    assert moved(a, calls, 16)
+    assert moved(calls, replace(a, admitted={"router-a": (0.5, 1, 1)}), 16)  # hosted
+    # a prefill done at its first token: its seconds leave, the call stays; the next version takes it
+    assert not moved(calls, replace(a, admitted={"router-a": (0.2, 1, 0)}), 16)
 
 
 @in_loop
