@@ -6,7 +6,8 @@ outputs (vLLM's stat logger), a call admitted to or leaving its per-router ledge
 new version only when a routing signal moved: the running or waiting count, the calls a router has
 sent there (their work rides along), or KV use by 1/64 of the cache (at least a block). Every router
 keeps one `watch()` stream open per replica and receives each version once; a router that falls
-behind gets the latest version, never a backlog. Nothing is sent while nothing changes: an idle fleet costs no messages.
+behind gets the latest version, never a backlog. Nothing is sent while nothing changes: an idle
+fleet costs no messages.
 
 Freshness is measured where the truth is. Every call a router sends carries the version it decided
 on (`state_seq`) and when it decided (`decided_at`, wall clock); the engine knows when its state
@@ -37,7 +38,7 @@ def moved(a: EngineStateReport | None, b: EngineStateReport, kv_step_tokens: int
     with every few decode steps, and a router cannot price a difference of one block. A router's
     admitted work counts only with its calls: a call's prefill done here (its first token) takes its
     seconds out and leaves the calls as they were; it rides the next version instead of making one
-    (a version of its own cost the 64-engine rig a quarter more messages and its p99 state age)."""
+    (a version of its own cost the 64-engine rig a quarter more state messages)."""
     return (a is None or a.running != b.running or a.waiting != b.waiting
             or _calls(a.admitted) != _calls(b.admitted)
             or abs(a.kv_used_tokens - b.kv_used_tokens) >= kv_step_tokens
