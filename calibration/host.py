@@ -97,14 +97,20 @@ def process_cpu_s(pids: Sequence[int]) -> float:
     return total * TICK_S
 
 
-def check_engine_processes(pids: Sequence[int]) -> None:
-    """Each of `pids` is a vLLM engine process of this machine: an app on other machines may name
-    processes whose numbers belong to something else here."""
+def engine_processes_running(pids: Sequence[int]) -> tuple[int, ...]:
+    """Those of `pids` still running, each a vLLM engine process of this machine. One that has exited
+    since the engine listed it is left out: a fresh-clone CI host had one gone before every fit.
+    One that runs but is no engine process (an app on other machines names processes whose numbers
+    belong to something else here), or none left of a non-empty list, is an error."""
     from serve_app.engine import engine_command
 
-    for pid in pids:
+    running = tuple(pid for pid in pids if os.path.exists(f"/proc/{pid}"))
+    for pid in running:
         if engine_command(pid) is None:
             raise _not_here(pid)
+    if pids and not running:
+        raise _not_here(pids[0])
+    return running
 
 
 def _not_here(pid: int) -> HostCalibrationError:
@@ -296,7 +302,7 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
     measured (`settle`'s quiet window), else measured here; `engine_pids`: the processes of every
     engine on the host, whose CPU is the engines' share of each window (none: their steps by the
     constants `engine`). Returns the host and a report of every measurement."""
-    check_engine_processes(engine_pids)
+    engine_pids = engine_processes_running(engine_pids)
     ids = list(engines) or list(instances)
     stretch_at = await measure_contention(ids, post, plan, seed)
     cores = float(os.cpu_count() or 1)

@@ -73,17 +73,31 @@ def test_an_engine_processs_cpu_is_read_over_a_window():
 def test_an_engine_process_not_on_this_machine_is_named():
     import os
 
-    from calibration.host import HostCalibrationError, check_engine_processes, process_cpu_s
+    import subprocess
+    import time
+
+    from calibration.host import HostCalibrationError, engine_processes_running, process_cpu_s
 
     gone = subprocess_that_exited()
     with pytest.raises(HostCalibrationError, match=f"engine process {gone} is not on this machine"):
         process_cpu_s([gone])
     with pytest.raises(HostCalibrationError, match=f"engine process {gone} is not on this machine"):
-        check_engine_processes([gone])
+        engine_processes_running([gone])  # none of them left
     # a process of this machine that is not an engine: another machine's engine has its number here
     with pytest.raises(HostCalibrationError, match=f"engine process {os.getpid()} is not on this machine"):
-        check_engine_processes([os.getpid()])
-    check_engine_processes([])  # stand-in engines name none
+        engine_processes_running([os.getpid()])
+    assert engine_processes_running([]) == ()  # stand-in engines name none
+    # one listed process that has exited since (a passing helper) is left out, the engine's are read
+    engine = subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore sleep 60"])
+    try:
+        deadline = time.monotonic() + 10
+        while "VLLM::EngineCore" not in open(f"/proc/{engine.pid}/cmdline").read():
+            assert time.monotonic() < deadline, "the stand-in engine did not take its title"
+            time.sleep(0.05)
+        assert engine_processes_running([engine.pid, gone]) == (engine.pid,)
+    finally:
+        engine.kill()
+        engine.wait(timeout=10)
 
 
 def test_an_engines_processes_are_its_core_and_workers_not_their_passing_helpers():
