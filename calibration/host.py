@@ -104,13 +104,25 @@ def engine_processes_running(pids: Sequence[int]) -> tuple[int, ...]:
     belong to something else here), or none left of a non-empty list, is an error."""
     from serve_app.engine import engine_command
 
-    running = tuple(pid for pid in pids if os.path.exists(f"/proc/{pid}"))
-    for pid in running:
-        if engine_command(pid) is None:
+    running = []
+    for pid in pids:  # its title first: one that exits between two reads is gone, not a stranger
+        if engine_command(pid) is not None:
+            running.append(pid)
+        elif not _exited(pid):
             raise _not_here(pid)
     if pids and not running:
         raise _not_here(pids[0])
-    return running
+    return tuple(running)
+
+
+def _exited(pid: int) -> bool:
+    """No process `pid`, or one that has exited and waits for its parent to collect it (a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
 
 
 def _not_here(pid: int) -> HostCalibrationError:

@@ -72,7 +72,6 @@ def test_an_engine_processs_cpu_is_read_over_a_window():
 
 def test_an_engine_process_not_on_this_machine_is_named():
     import os
-
     import subprocess
     import time
 
@@ -95,6 +94,13 @@ def test_an_engine_process_not_on_this_machine_is_named():
             assert time.monotonic() < deadline, "the stand-in engine did not take its title"
             time.sleep(0.05)
         assert engine_processes_running([engine.pid, gone]) == (engine.pid,)
+        # ... and so is one that has exited but not been collected by its parent yet (a zombie)
+        zombie = subprocess.Popen(["true"])
+        while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline + 10, "the child did not exit"
+            time.sleep(0.05)
+        assert engine_processes_running([engine.pid, zombie.pid]) == (engine.pid,)
+        zombie.wait(timeout=10)
     finally:
         engine.kill()
         engine.wait(timeout=10)
