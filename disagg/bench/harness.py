@@ -83,6 +83,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -689,8 +690,12 @@ class Bench:
     """One `disagg bench` invocation. `run()` returns the results dict (also written to `out`)."""
 
     def __init__(self, cfg: BenchConfig, *, progress: Callable[[int, str], Callable[[int], None]] | None = None,
-                 log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> None:
+                 log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
+                 meter: Callable[[], dict[str, float]] | None = None) -> None:
         self.cfg = cfg
+        # CPU seconds so far by part of the host (a study's: benchmarks/host_cpu_live_vs_sim.py); each
+        # live run records what it used of each, and its window
+        self.meter = meter
         self.progress = progress or (lambda total, label: (lambda n: None))
         self.log = log
         # None until a live run reads the router's (`--cost-model app`): then a resolved setting
@@ -702,6 +707,8 @@ class Bench:
         self.gates: list[dict] = []
         self.sent = {"gates": 0, "probes": 0, "runs": 0}
         self.load_stats: dict[str, dict] = {}
+        self.host_cpu: dict[str, dict] = {}  # live runs with a meter: CPU seconds by part, and the window
+        self.engine_time: dict[str, dict] = {}  # simulated runs: the engines' work and stepping (Simulator)
         self.resumed: set[tuple] = set()
         self.warnings: list[str] = []
         self.slices: dict[str, list[TraceRequest]] = {}
@@ -1013,10 +1020,15 @@ class Bench:
             bar(1)
 
         reqs = self._planned(s, trace, pending)
+        before, t0 = (self.meter(), time.monotonic()) if self.meter else (None, 0.0)
         results, stats = await run_open_loop(shards or self.shards, model or self.target.model, reqs,
                                              on_result=on_result, timeout_s=self.cfg.request_timeout_s)
+        key = f"{system}/{policy}/{trace}"
+        if before is not None:
+            after = self.meter()
+            self.host_cpu[key] = {"window_s": time.monotonic() - t0, **{p: after[p] - before[p] for p in after}}
         self.sent["runs"] += len(results)
-        self.load_stats[f"{system}/{policy}/{trace}"] = stats.as_dict()
+        self.load_stats[key] = stats.as_dict()
 
     # sim ----------------------------------------------------------------------------------------
 
@@ -1044,6 +1056,7 @@ class Bench:
                 bar = self.progress(len(s), f"sim {policy[:7]}/{t.name[:8]}")
                 _, result = simulate(s, self.cm, topology, policy, seed=self.cfg.seed, progress=bar,
                                      **self._as_the_app())
+                self.engine_time[f"{SIM}/{policy}/{t.name}"] = result.extra["engine_time"]
                 rate = self.slice_info[t.name]["rate"]
                 for r in sorted(result.records, key=lambda r: int(r.request_id[1:])):
                     rec = sim_record(r, policy=policy, trace=t.name, rate=rate, slice_=s)
@@ -1081,6 +1094,9 @@ def write_results(bench: Bench) -> dict:
         key = (r["system"], r["policy"], r["trace"])
         r["resumed"] = key in bench.resumed
         r["load"] = bench.load_stats.get("/".join(key))
+        for field_, by_run in (("host_cpu_s", bench.host_cpu), ("engine_time", bench.engine_time)):
+            if "/".join(key) in by_run:  # only the runs of this invocation that measured them
+                r[field_] = by_run["/".join(key)]
     warnings = list(bench.warnings)
     for r in runs:
         if r["send_lag_exceeded"]:

@@ -267,6 +267,10 @@ class EngineModel:
         self._transfers: list[Job] = []
         self._grown = (0, 0)  # (k, blocks the decoding batch allocates over k steps) of the step in flight
         self.steps_run = 0
+        self._alone = 0.0  # the step in flight's length alone (unstretched)
+        # the steps run: their seconds alone (the compute they asked for) and as stretched by the host
+        self.work_s = 0.0
+        self.stepping_s = 0.0
         self.preemptions = 0
         self.version = 0  # bumped whenever what a poll reads may have changed
         self._decode_step_s: dict[int, float] = {}  # batch size → `c.step_s(0, size)`
@@ -414,7 +418,7 @@ class EngineModel:
                 finishing += job.computed + c >= job.prefill_goal
                 if attention:  # each chunk attends to what its job has computed so far (advanced at end_step)
                     pairs += attention_pairs(c, job.computed)
-            self._dur = self.c.step_s(tokens, n, pairs) + self.c.prefill_overhead_s * finishing
+            self._dur = self._alone = self.c.step_s(tokens, n, pairs) + self.c.prefill_overhead_s * finishing
             if self.share is not None:
                 prefill = prefill_part_s(self.c, self._dur, n)
                 self._dur *= self.share.step(self.instance_id, n + finishing, self._dur, now, prefill)
@@ -437,6 +441,7 @@ class EngineModel:
             dur = self._decode_step_s.get(n)
             if dur is None:  # the step time of a decode-only batch depends on its size alone: memoised
                 dur = self._decode_step_s[n] = self.c.step_s(0, n)
+            self._alone = dur
             if self.share is not None:
                 dur *= self.share.step(self.instance_id, n, dur, now)
             self._dur = dur
@@ -532,6 +537,8 @@ class EngineModel:
         self.free_blocks -= grown
         self.step += k
         self.steps_run += k
+        self.work_s += k * self._alone
+        self.stepping_s += k * self._dur
         if self._joined:
             first_step_end = self._start + self._dur
             for job in self._joined:

@@ -615,6 +615,10 @@ class Simulator:
         extra = {}
         if fleet is not None:
             extra["autoscaling"] = {"scaler": self.scaler.name, "startup_s": fleet.startup_s, **fleet.summary(now)}
+        # what each engine computed (its steps' seconds alone) and how long its steps took on the host
+        extra["engine_time"] = {"makespan_s": now, "engines": {
+            iid: {"work_s": e.work_s, "stepping_s": e.stepping_s, "steps": e.steps_run}
+            for iid, e in self.engines.items()}}
         if self.prefix_stats["requests"]:
             st = self.prefix_stats
             extra["prefix_cache"] = {**st, "hit_rate": st["cached_tokens"] / st["prompt_tokens"]}

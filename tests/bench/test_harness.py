@@ -321,6 +321,30 @@ def test_live_and_sim_in_one_command_share_the_slices_and_the_table(tmp_path):
     assert "## Simulated vs measured" in (tmp_path / "o" / "results.md").read_text()
 
 
+def test_a_meter_records_each_live_runs_cpu_by_part_and_the_simulator_its_engines_time(tmp_path):
+    trace = small_trace(tmp_path / "t.csv", n=8)
+    reads = []
+
+    def meter() -> dict[str, float]:  # a study's /proc reader (benchmarks/host_cpu_live_vs_sim.py)
+        reads.append(time.monotonic())
+        return {"engine_steps": 2.0 * len(reads), "serving": 0.5 * len(reads)}
+
+    with StubServer(first_token_s=0.01, token_gap_s=0.005) as stub:
+        res = run_bench(BenchConfig(out=tmp_path / "o", traces=(str(trace),), policies=("round_robin", "least_loaded"),
+                                    url=stub.url, rate=20.0, sim=True), meter=meter)
+    runs = {(r["system"], r["policy"]): r for r in res["runs"]}
+    assert len(reads) == 4  # around each live run's load, not its gates or probes
+    for policy in ("round_robin", "least_loaded"):
+        cpu = runs[("live", policy)]["host_cpu_s"]
+        assert cpu["engine_steps"] == 2.0 and cpu["serving"] == 0.5
+        assert 0.3 < cpu["window_s"] < 10  # 8 requests 50 ms apart, each of a few 5 ms tokens
+        assert "engine_time" not in runs[("live", policy)] and "host_cpu_s" not in runs[("sim", policy)]
+        engines = runs[("sim", policy)]["engine_time"]["engines"]
+        assert set(engines) == {"prefill-0", "decode-0", "decode-1"}
+        assert all(e["work_s"] > 0 and e["steps"] > 0 for e in engines.values())
+        assert runs[("sim", policy)]["engine_time"]["makespan_s"] >= 0.35
+
+
 @pytest.mark.parametrize("scale,goodput", [(1000.0, 1.0), (0.01, 0.0)])
 def test_an_slo_scale_judges_each_request_by_its_own_unloaded_latency_live_and_simulated(tmp_path, scale, goodput):
     """--slo-scale: every request goes out with X-SLO-Scale (the router prices the targets the bench

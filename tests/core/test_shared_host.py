@@ -147,6 +147,30 @@ def test_the_serving_path_slows_an_engine_that_is_alone():
     assert t_alone > 1.8 * t_free  # decode steps at 1 + 3.3 / 2
 
 
+
+def test_an_engine_counts_its_steps_seconds_alone_and_as_the_host_stretched_them():
+    c = consts(max_batched_tokens=256)
+    alone = EngineModel("a", c, HostShare(ONE_CORE))
+    alone.submit(Job("x", prompt=16, target=20))
+    _, _, t_alone = run_until_idle(alone)
+    assert alone.work_s == pytest.approx(t_alone) and alone.stepping_s == pytest.approx(t_alone)
+    share = HostShare(ONE_CORE)
+    pair = [EngineModel(n, c, share) for n in "ab"]
+    for e in pair:
+        e.submit(Job("x", prompt=16, target=20))
+    ends, done = [e.poke(0.0) for e in pair], [0.0, 0.0]
+    while any(t is not None for t in ends):
+        now = min(t for t in ends if t is not None)
+        for i, e in enumerate(pair):
+            if ends[i] is not None and ends[i] <= now:
+                e.end_step(now)
+                ends[i] = e.poke(now)
+                done[i] = now
+    for e, idle_from in zip(pair, done):  # the same compute, its steps about twice as long on the one core
+        assert e.work_s == pytest.approx(t_alone)
+        assert e.stepping_s == pytest.approx(idle_from)  # stepping from the start until it went idle
+        assert e.stepping_s == pytest.approx(2 * t_alone, rel=0.06)
+
 def test_without_a_shared_host_the_engine_model_is_unchanged():
     c = consts()
     e = EngineModel("a", c)
