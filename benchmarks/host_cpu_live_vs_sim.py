@@ -25,6 +25,16 @@ Per (rate, policy, trace) it reports, in CPU seconds over the run:
 - the serving path live above its idle rate against `request_cpu_s` × requests + `token_cpu_s` ×
   tokens, and its idle rate against `idle_cores`;
 - the host's cores in use live (every part, over the run's window) against its `cores`.
+
+`--at-run-speed` (after a measurement, offline): each run simulated again twice, beside the
+simulation at the fitted constants, with TTFT and TPOT p50 and p90 of all four:
+- `sim_at_run_speed`: every engine step time scaled by that run's own speed, its engines' CPU live
+  over the compute its simulation asked for;
+- `sim_at_run_serving`: the serving path's CPU per streamed token and the stack's idle cores as the
+  run measured them (its serving CPU above idle, less the fitted CPU per request, over its tokens).
+Where one closes the gap, the model's shape holds and what it misses is that term's value under the
+run's load; where neither does, the shape is wrong. A diagnosis, not a prediction: the values are
+read from the very run they are compared with.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -47,10 +58,15 @@ from disagg.bench.refit import app_refit, before_run  # noqa: E402
 from disagg.bench.report import RESULTS_JSON  # noqa: E402
 from disagg.bench.script import log, write_result  # noqa: E402
 from disagg.bench.validate import simulate_live_run  # noqa: E402
-from disagg.core.cost_model import load_profile  # noqa: E402
+from disagg.core.cost_model import CostModel, load_profile  # noqa: E402
+from disagg.stats import percentile  # noqa: E402
+from disagg.user_input import resolve_trace  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 ROLES = ("prefill", "decode")
+_STAT_PARTS = (("ttft", 50), ("ttft", 90), ("tpot", 50), ("tpot", 90))
+STATS = tuple(f"{m}_p{q}_ms" for m, q in _STAT_PARTS)
+PROMPT_SPLIT = 512  # short and long prompts, for where the simulated TTFT parts from the live one
 PARTS = ("prefill_steps", "decode_steps", "serving")
 
 
@@ -113,10 +129,95 @@ def compare(live: dict, sim: dict, idle: dict[str, float], records: list[dict], 
     }
 
 
+def scaled(cm: CostModel, factor: float) -> CostModel:
+    """`cm` with every engine's step times `factor` times as long."""
+    def one(e):
+        return e.model_copy(update={k: getattr(e, k) * factor for k in (
+            "step_base_s", "decode_seq_s", "prefill_token_s", "prefill_attention_s", "prefill_overhead_s")})
+    return cm.model_copy(update={"engine": one(cm.engine), "instances": {k: one(e) for k, e in cm.instances.items()}})
+
+
+def at_serving(cm: CostModel, row: dict) -> CostModel:
+    """`cm` with its shared host's CPU per token and idle cores as the run of `row` measured them."""
+    host = cm.shared_host
+    token_s = max(0.0, row["serving_live_s"] - host.request_cpu_s * row["requests"]) / max(1, row["tokens"])
+    return cm.model_copy(update={"shared_host": host.model_copy(update={
+        "token_cpu_s": min(token_s, 0.1), "idle_cores": min(row["idle_live_cores"], host.cores)})})
+
+
+def latency(records: list[dict]) -> dict[str, float | None]:
+    """TTFT and TPOT p50 and p90 of finished requests (`STATS`), in ms."""
+    ok = [r for r in records if not r.get("error")]
+    return {f"{m}_p{q}_ms": (round(percentile([r[f"{m}_s"] for r in ok if r[f"{m}_s"] is not None], q) * 1e3, 1)
+                             if ok else None) for m, q in _STAT_PARTS}
+
+
+def by_prompt(live: list[dict], simulated: list[dict]) -> dict[str, list[float]]:
+    """Each request's live TTFT over its simulated one, by prompt length (`PROMPT_SPLIT`), sorted."""
+    sim = {r["index"]: r for r in simulated if not r.get("error")}
+    out: dict[str, list[float]] = {f"<{PROMPT_SPLIT}": [], f">={PROMPT_SPLIT}": []}
+    for r in live:
+        s = sim.get(r["index"])
+        if s is not None and not r.get("error") and s["ttft_s"]:
+            key = f"<{PROMPT_SPLIT}" if r["prompt_tokens"] < PROMPT_SPLIT else f">={PROMPT_SPLIT}"
+            out[key].append(r["ttft_s"] / s["ttft_s"])
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def at_run_speed(out: Path) -> list[dict]:
+    """`--at-run-speed` (module docstring), from the measurement in `out`."""
+    measured = json.loads((out / "host_cpu.json").read_text())
+    # each trace's file by the name the bench gives it
+    paths = {p.name.split(".")[0]: str(p) for p in map(resolve_trace, measured["settings"]["trace"])}
+    rows = []
+    for row in measured["rows"]:
+        rate, policy, trace = row["rate"], row["policy"], row["trace"]
+        live_dir, sim_dir = out / f"rate-{rate:g}", out / "sim" / f"rate-{rate:g}"
+        live_steps = sum(row[f"{r}_steps_live_s"] for r in ROLES)
+        factor = live_steps / sum(row[f"{r}_work_sim_s"] for r in ROLES)
+        fast_dir = out / "sim-at-run-speed" / f"rate-{rate:g}" / f"{policy}-{trace}"
+        slices = {"traces": [paths[trace]], "policies": [policy], "max_requests": measured["settings"]["max_requests"],
+                  "seed": measured["settings"]["seed"]}
+        cm = load_profile(live_dir / COST_MODEL_FILE)
+        simulate_live_run(live_dir, slices, scaled(cm, factor), fast_dir, False, log)
+        serving_dir = out / "sim-at-run-serving" / f"rate-{rate:g}" / f"{policy}-{trace}"
+        simulate_live_run(live_dir, slices, at_serving(cm, row), serving_dir, False, log)
+
+        def mine(folder: Path, system: str) -> list[dict]:
+            return [r for r in map(json.loads, (folder / RECORDS_FILE).read_text().splitlines())
+                    if r["system"] == system and r["policy"] == policy and r["trace"] == trace]
+
+        got = {"rate": rate, "policy": policy, "trace": trace, "speed": round(factor, 2)}
+        live = mine(live_dir, LIVE)
+        got["live"] = latency(live)
+        for label, folder in (("sim", sim_dir), ("sim_at_run_speed", fast_dir), ("sim_at_run_serving", serving_dir)):
+            simulated = mine(folder, "sim")
+            got[label] = {**latency(simulated), "live_over_sim_ttft": by_prompt(live, simulated)}
+        log(json.dumps(got))
+        rows.append(got)
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per simulation: the median error of each latency statistic over the runs, how many of all
+    within 15% of live, and the median of live over simulated TTFT per request by prompt length."""
+    out = {}
+    for label in ("sim", "sim_at_run_speed", "sim_at_run_serving"):
+        errors = {k: [(r[label][k] - r["live"][k]) / r["live"][k] for r in rows if r["live"][k] and r[label][k]]
+                  for k in STATS}
+        every = [e for v in errors.values() for e in v]
+        ratios = {b: [x for r in rows for x in r[label]["live_over_sim_ttft"][b]]
+                  for b in rows[0][label]["live_over_sim_ttft"]} if rows else {}
+        out[label] = {"median_error": {k: round(statistics.median(v), 3) for k, v in errors.items() if v},
+                      "within_15pct": f"{sum(abs(e) <= 0.15 for e in every)} of {len(every)}",
+                      "live_over_sim_ttft_median": {b: round(statistics.median(v), 2) for b, v in ratios.items() if v}}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", required=True)
-    ap.add_argument("--trace", action="append", required=True)
+    ap.add_argument("--url")
+    ap.add_argument("--trace", action="append")
     ap.add_argument("--policies", default="colocated,slo_goodput")
     ap.add_argument("--rates", default="1.5,3,6")
     ap.add_argument("--max-requests", type=int, default=80)
@@ -126,8 +227,20 @@ def main() -> int:
     ap.add_argument("--refit", metavar="DIR", help="fit the router's constants on the live engines before each rate")
     ap.add_argument("--out", required=True)
     ap.add_argument("--json", help="the comparison (default: OUT/host_cpu.json)")
+    ap.add_argument("--at-run-speed", action="store_true",
+                    help="offline, from a measurement in --out: each run simulated again at its own speed")
     args = ap.parse_args()
     out, policies = Path(args.out), tuple(args.policies.split(","))
+    if args.at_run_speed:
+        rows = at_run_speed(out)
+        summary = summarize(rows)
+        print(json.dumps(summary, indent=1))
+        write_result(args.json or str(out / "at_run_speed.json"), {"settings": vars(args), "rows": rows,
+                                                                    "summary": summary})
+        return 0
+    if not args.url or not args.trace:
+        ap.error("a measurement needs --url and at least one --trace")
+    traces = tuple(str(resolve_trace(t)) for t in args.trace)  # a name in the data directory, or a file
     rates = [float(r) for r in args.rates.split(",")]
     refit = app_refit(args.url, Path(args.refit), log) if args.refit else None
     rows = []
@@ -137,10 +250,10 @@ def main() -> int:
             raise BenchError(f"{live_dir} holds a finished run without its idle window: remove it to measure again")
         idle = idle_rates(args.idle_s)
         log(f"{rate:g} req/s: idle {', '.join(f'{p} {c:.3f}' for p, c in idle.items())} cores")
-        run_bench(BenchConfig(out=live_dir, traces=tuple(args.trace), policies=policies, url=args.url, rate=rate,
+        run_bench(BenchConfig(out=live_dir, traces=traces, policies=policies, url=args.url, rate=rate,
                               max_requests=args.max_requests, seed=args.seed, realtime=args.realtime),
                   log=log, meter=cpu_by_part)
-        slices = {"traces": list(args.trace), "policies": list(policies), "max_requests": args.max_requests,
+        slices = {"traces": list(traces), "policies": list(policies), "max_requests": args.max_requests,
                   "seed": args.seed}
         cm = load_profile(live_dir / COST_MODEL_FILE)
         simulate_live_run(live_dir, slices, cm, sim_dir, False, log)

@@ -38,3 +38,42 @@ def test_a_run_is_compared_part_by_part_with_the_models_charges():
     assert row["serving_live_s"] == 2.5  # 4 s less 0.15 cores of rest over the 10 s window
     assert row["serving_model_s"] == 0.6 and row["serving_live_over_model"] == pytest.approx(4.17, abs=0.01)
     assert row["idle_live_cores"] == 0.16 and row["host_cores_live"] == 1.0
+
+
+def test_a_run_at_its_own_speed_scales_every_engines_step_times_and_nothing_else():
+    from disagg.core.cost_model import load_profile
+    cm = load_profile("cpu-tiny")
+    cm = cm.model_copy(update={"instances": {"decode-0": cm.engine}})
+    slow = study.scaled(cm, 1.5)
+    for before, after in ((cm.engine, slow.engine), (cm.instances["decode-0"], slow.instances["decode-0"])):
+        assert after.step_s(64, 4) == pytest.approx(1.5 * before.step_s(64, 4))
+        assert after.prefill_s(900) == pytest.approx(1.5 * before.prefill_s(900))
+        assert after.kv_capacity_tokens == before.kv_capacity_tokens
+    assert slow.transfer == cm.transfer and slow.shared_host == cm.shared_host
+
+
+def test_latency_percentiles_leave_failed_requests_out():
+    ok = [{"ttft_s": 0.01 * i, "tpot_s": 0.001 * i, "error": None} for i in range(1, 11)]
+    got = study.latency(ok + [{"ttft_s": None, "tpot_s": None, "error": "timeout"}])
+    assert got["ttft_p50_ms"] == pytest.approx(55, abs=5) and got["tpot_p90_ms"] == pytest.approx(9.5, abs=0.6)
+    assert study.latency([]) == {"ttft_p50_ms": None, "ttft_p90_ms": None, "tpot_p50_ms": None, "tpot_p90_ms": None}
+
+
+def test_each_requests_live_ttft_is_set_against_its_own_simulated_one_by_prompt_length():
+    live = [{"index": 0, "prompt_tokens": 100, "ttft_s": 0.02, "error": None},
+            {"index": 1, "prompt_tokens": 1500, "ttft_s": 0.12, "error": None},
+            {"index": 2, "prompt_tokens": 1500, "ttft_s": None, "error": "timeout"}]
+    simulated = [{"index": 1, "ttft_s": 0.08, "error": None}, {"index": 0, "ttft_s": 0.02, "error": None},
+                 {"index": 2, "ttft_s": 0.05, "error": None}]
+    assert study.by_prompt(live, simulated) == {"<512": [1.0], ">=512": [1.5]}
+
+
+def test_the_summary_gives_each_simulations_median_error_and_the_cells_within_15_percent():
+    def sim(scale: float, ratios: list[float]) -> dict:
+        return {**{k: 10.0 * scale for k in study.STATS}, "live_over_sim_ttft": {"<512": ratios, ">=512": ratios}}
+    rows = [{"live": {k: 10.0 for k in study.STATS}, "sim": sim(0.9, [1.0]), "sim_at_run_speed": sim(1.5, [0.5]),
+             "sim_at_run_serving": sim(1.0, [1.0, 1.2])}]
+    got = study.summarize(rows)
+    assert got["sim"]["median_error"]["ttft_p90_ms"] == pytest.approx(-0.1) and got["sim"]["within_15pct"] == "4 of 4"
+    assert got["sim_at_run_speed"]["within_15pct"] == "0 of 4"
+    assert got["sim_at_run_serving"]["live_over_sim_ttft_median"] == {"<512": 1.1, ">=512": 1.1}
