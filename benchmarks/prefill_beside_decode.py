@@ -10,6 +10,11 @@ For each prompt length and decode batch it runs what `disagg calibrate --live --
 engine and lone prefills on the prefill engine, alone and overlapping, paired in each round) and
 prints each one's stretch, the shares they got (one over the stretch: they sum to about the core
 they share when the sharing is uneven rather than lossy) and the weight, medians over rounds.
+
+`--same-engine`: the prefills and the decode probe on one decode engine instead, so that they share
+its steps (vLLM batches the prompt's chunk with the running decodes), not the host's cores; beside
+each row, the stretch of the prefill the cost model's additive step gives, `step_s(prompt, batch)`
+over `step_s(prompt, 0)` with the router's constants.
 """
 
 from __future__ import annotations
@@ -23,23 +28,34 @@ from calibration.host import measure_prefill_weight
 from calibration.live import PROBE_TIMEOUT_S
 from disagg.app_client import AsyncAppClient
 from disagg.bench.script import write_result
+from disagg.core.cost_model import CostModel
 
 
-async def run(url: str, prompts: list[int], batches: list[int], rounds: int) -> list[dict]:
+async def run(url: str, prompts: list[int], batches: list[int], rounds: int, same_engine: bool = False) -> list[dict]:
     async with AsyncAppClient(url, timeout_s=PROBE_TIMEOUT_S, max_connections=4) as app:
-        instances = (await app.state())["instances"]
+        state = await app.state()
+        instances = state["instances"]
         prefill = sorted(i for i, v in instances.items() if v["role"] == "prefill")
         decode = sorted(i for i, v in instances.items() if v["role"] == "decode")
         if not prefill or not decode:
             sys.exit("the app needs a prefill and a decode instance (a disaggregated profile)")
+        engine = None
+        if same_engine:  # the router's constants, for the additive step's stretch
+            engine = CostModel.from_dict(next(iter(state["models"].values()))["cost_model_constants"]).engine
         rows = []
         for prompt in prompts:
             for batch in batches:
-                weight, r = await measure_prefill_weight(decode[0], prefill[0], app.probe, prompt, rounds, batch=batch)
+                prefiller = decode[0] if same_engine else prefill[0]
+                weight, r = await measure_prefill_weight(decode[0], prefiller, app.probe, prompt, rounds, batch=batch)
                 d, p = statistics.median(r["decode_stretch"]), statistics.median(r["prefill_stretch"])
                 rows.append({**r, "decode_median": d, "prefill_median": p, "shares": 1 / d + 1 / p})
-                print(f"prefill {prompt} tokens beside a decode of {batch}: decode ×{d:.2f}, prefill ×{p:.2f}, "
-                      f"shares {1 / d:.2f} + {1 / p:.2f} = {1 / d + 1 / p:.2f}, weight {weight:.2f}", flush=True)
+                line = (f"prefill {prompt} tokens beside a decode of {batch}: decode ×{d:.2f}, prefill ×{p:.2f}, "
+                        f"shares {1 / d:.2f} + {1 / p:.2f} = {1 / d + 1 / p:.2f}, weight {weight:.2f}")
+                if engine is not None:
+                    additive = engine.step_s(prompt, batch) / engine.step_s(prompt, 0)
+                    rows[-1]["additive_prefill_stretch"] = additive
+                    line += f"; the additive step's prefill ×{additive:.2f}"
+                print(line, flush=True)
         return rows
 
 
@@ -49,13 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, nargs="+", default=[256, 1024, 1984])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--same-engine", action="store_true", help="prefills and decodes on one decode engine")
     ap.add_argument("--json", help="write every measurement here (atomically)")
     args = ap.parse_args(argv)
     if args.rounds < 1 or min(args.prompts) < 1 or min(args.batches) < 1:
         ap.error("--rounds, --prompts and --batches must be >= 1")
-    rows = asyncio.run(run(args.url.rstrip("/"), args.prompts, args.batches, args.rounds))
+    rows = asyncio.run(run(args.url.rstrip("/"), args.prompts, args.batches, args.rounds, args.same_engine))
     if args.json:
-        write_result(args.json, {"rows": rows, "rounds": args.rounds})
+        write_result(args.json, {"rows": rows, "rounds": args.rounds, "same_engine": args.same_engine})
     return 0
 
 

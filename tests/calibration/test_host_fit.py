@@ -119,11 +119,14 @@ def test_an_engines_processes_are_its_core_and_workers_not_their_passing_helpers
 
     core = subprocess.Popen(["bash", "-c", "(exec -a VLLM::Worker sleep 60) & sleep 60 & wait"], start_new_session=True)
     try:
+        def workers() -> list[int]:  # a child is bash's fork until it has exec'd: wait for the title
+            return [p for p in descendants(core.pid) if "VLLM::Worker" in open(f"/proc/{p}/cmdline").read()]
+
         deadline = time.monotonic() + 10
-        while len(descendants(core.pid)) < 2:
+        while len(descendants(core.pid)) < 2 or not workers():
             assert time.monotonic() < deadline, "the stand-in core's two children did not start"
             time.sleep(0.05)
-        [worker] = [p for p in descendants(core.pid) if "VLLM::Worker" in open(f"/proc/{p}/cmdline").read()]
+        [worker] = workers()
         assert engine_tree([core.pid]) == (core.pid, worker)
     finally:
         os.killpg(core.pid, signal.SIGKILL)

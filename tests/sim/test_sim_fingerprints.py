@@ -54,42 +54,44 @@ TRACES = {
 }
 
 # (trace, topology, policy, routers, peer notice delay) → (fingerprint, headline figures)
+# 2026-12-07, later: every fingerprint moved once, for the engines' compute and stepping time added
+# to the results (`engine_time`); each hashed without it was the fingerprint before
 CASES = {
-    ("mixed_bursty", "2P4D", "marginal_cost", 1, None): ("5cd4d78f48b54487",
+    ("mixed_bursty", "2P4D", "marginal_cost", 1, None): ("0d9f3ae241bc8f2f",
         {"goodput": 0.066, "failed": 0, "preemptions": 0,
          "ttft_p50_ms": 9696.82, "tpot_p50_ms": 12.01, "makespan_s": 87.52}),
-    ("mixed_bursty", "2P4D", "slo_goodput", 1, None): ("9afc599e26792fe3",
+    ("mixed_bursty", "2P4D", "slo_goodput", 1, None): ("641a845fd4220459",
         {"goodput": 0.7695, "failed": 0, "preemptions": 0,
          "ttft_p50_ms": 74.66, "tpot_p50_ms": 28.121, "makespan_s": 87.58}),
     # pair_cost's colocated prefills leave its ledger at their first token, as the live router's do
     # (before: at the request's end); 2026-12-07
-    ("mixed_bursty", "2P4D", "pair_cost", 1, None): ("dbb3baa8ac986a05",
+    ("mixed_bursty", "2P4D", "pair_cost", 1, None): ("693e9191c62d2c05",
         {"goodput": 0.7835, "failed": 0, "preemptions": 0,
          "ttft_p50_ms": 61.51, "tpot_p50_ms": 23.671, "makespan_s": 87.51}),
-    ("mixed_bursty", "2P4D", "round_robin", 1, None): ("dec290563b8bd85c",
+    ("mixed_bursty", "2P4D", "round_robin", 1, None): ("15c4df840a0d65fc",
         {"goodput": 0.061, "failed": 0, "preemptions": 0,
          "ttft_p50_ms": 9441.45, "tpot_p50_ms": 11.985, "makespan_s": 87.53}),
-    ("multi_turn_chat", "4P3D", "slo_goodput", 1, None): ("32489314003144dc",
+    ("multi_turn_chat", "4P3D", "slo_goodput", 1, None): ("59d6a6c359433401",
         {"goodput": 0.9915, "failed": 0, "preemptions": 0,
          "ttft_p50_ms": 80.98, "tpot_p50_ms": 11.312, "makespan_s": 141.92}),
-    ("multi_turn_chat", "4P3D", "marginal_cost", 1, None): ("16275d03b778ce5b",
+    ("multi_turn_chat", "4P3D", "marginal_cost", 1, None): ("4f5d35baa4cca85d",
         {"goodput": 0.9825, "failed": 0, "preemptions": 1,
          "ttft_p50_ms": 83.35, "tpot_p50_ms": 11.643, "makespan_s": 141.98}),
-    ("multi_turn_chat", "4P3D", "pair_cost", 1, None): ("e59b5103ee827781",
+    ("multi_turn_chat", "4P3D", "pair_cost", 1, None): ("4a3c72c407a75bfd",
         {"goodput": 0.9815, "failed": 0, "preemptions": 1,
          "ttft_p50_ms": 82.12, "tpot_p50_ms": 11.646, "makespan_s": 141.99}),
-    ("multi_turn_chat", "4P3D", "prefix_affinity", 1, None): ("3f6ed883d763b3d8",
+    ("multi_turn_chat", "4P3D", "prefix_affinity", 1, None): ("7b8fba694689dbdb",
         {"goodput": 0.9665, "failed": 0, "preemptions": 4,
          "ttft_p50_ms": 79.62, "tpot_p50_ms": 11.672, "makespan_s": 142.24}),
     # the engines hold what the routers' ledgers hold (a colocated or hosted prefill until its first
     # token, hosted calls counted apart: `serve_app.call_ledger`); 2026-12-07
-    ("mixed_bursty", "2P4D", "slo_goodput", 3, 0.005): ("afe49004dc640bcf",
+    ("mixed_bursty", "2P4D", "slo_goodput", 3, 0.005): ("fcfc5d5edb243568",
         {"goodput": 0.6405, "failed": 0, "preemptions": 2,
          "ttft_p50_ms": 140.99, "tpot_p50_ms": 29.882, "makespan_s": 87.48}),
-    ("long_generation", "2P4D", "marginal_cost", 2, None): ("2a36438103818afb",
+    ("long_generation", "2P4D", "marginal_cost", 2, None): ("9f94a7a7b8e82e67",
         {"goodput": 1.0, "failed": 0, "preemptions": 0,
          "ttft_p50_ms": 52.03, "tpot_p50_ms": 13.405, "makespan_s": 134.64}),
-    ("tied_shuffled", "2P4D", "least_loaded", 1, None): ("5e31630504fc2c87",
+    ("tied_shuffled", "2P4D", "least_loaded", 1, None): ("c1023cadd0ba3e42",
         {"goodput": 0.9683, "failed": 0, "preemptions": 0,
          "ttft_p50_ms": 84.42, "tpot_p50_ms": 12.388, "makespan_s": 24.06}),
 }
