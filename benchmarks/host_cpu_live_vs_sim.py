@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -50,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memory import cluster_pids, kind, ppid_map, ray_session  # noqa: E402  (benchmarks/memory.py)
+from memory import cpu_by  # noqa: E402  (benchmarks/memory.py)
 
 from disagg.bench.harness import COST_MODEL_FILE, RECORDS_FILE, BenchConfig, BenchError, run_bench  # noqa: E402
 from disagg.bench.records import LIVE  # noqa: E402
@@ -62,7 +61,6 @@ from disagg.core.cost_model import CostModel, load_profile  # noqa: E402
 from disagg.stats import percentile  # noqa: E402
 from disagg.user_input import resolve_trace  # noqa: E402
 
-TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 ROLES = ("prefill", "decode")
 _STAT_PARTS = (("ttft", 50), ("ttft", 90), ("tpot", 50), ("tpot", 90))
 STATS = tuple(f"{m}_p{q}_ms" for m, q in _STAT_PARTS)
@@ -79,17 +77,7 @@ def part_of(k: str) -> str:
 
 def cpu_by_part() -> dict[str, float]:
     """CPU seconds so far of every process of the Ray session, by part, and this client's own."""
-    session, node_id = ray_session()
-    parents = ppid_map()
-    out = dict.fromkeys(PARTS, 0.0)
-    for pid in cluster_pids(session, node_id, exclude={os.getpid()}):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:  # gone meanwhile
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        out[part_of(kind(pid, parents))] += (int(fields[11]) + int(fields[12])) * TICK_S
+    out = cpu_by(lambda kind, _comm: part_of(kind), PARTS)
     out["serving"] += time.process_time()  # the load generator shares the cores too
     return out
 

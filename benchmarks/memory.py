@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from disagg.app_client import AppClient, AppError, AsyncAppClient
 from disagg.bench.script import log, write_result
@@ -46,6 +46,7 @@ from disagg.stats import percentile
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-qwen2"
 RAY_TMP = Path("/tmp/ray")
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 
@@ -193,6 +194,21 @@ def kind(pid: int, parents: dict[int, int]) -> str:
         if needle in c:
             return "Ray system: " + name
     return "Ray system: other (" + (comm or c[:40]) + ")"
+
+
+def cpu_by(part_of: Callable[[str, str], str], parts: Sequence[str]) -> dict[str, float]:
+    """CPU seconds so far (utime + stime) of every process of the Ray session but this one, summed by
+    `part_of(kind, comm)` into `parts`."""
+    session, node_id = ray_session()
+    parents = ppid_map()
+    out = dict.fromkeys(parts, 0.0)
+    for pid in cluster_pids(session, node_id, exclude={os.getpid()}):
+        stat, comm = _read(f"/proc/{pid}/stat"), _read(f"/proc/{pid}/comm")
+        if stat is None or comm is None:  # gone meanwhile
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        out[part_of(kind(pid, parents), comm.strip())] += (int(fields[11]) + int(fields[12])) * TICK_S
+    return out
 
 
 def cluster_memory(exclude: set[int]) -> dict[str, Any]:

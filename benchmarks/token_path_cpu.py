@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import tempfile
@@ -45,13 +44,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memory import cluster_pids, kind, ppid_map, ray_session  # noqa: E402  (benchmarks/memory.py)
+from memory import cpu_by  # noqa: E402  (benchmarks/memory.py)
 
 from disagg.app_client import COMPLETIONS, AppError, AsyncAppClient  # noqa: E402
 from disagg.bench.script import log, write_result  # noqa: E402
 from serve_app.launch import LocalStack  # noqa: E402
 
-TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 PARTS = ("routers", "ingress", "engines", "ray")
 METRICS = ("idle_cores", "per_token_us", "per_request_ms")
 CONFIG = ROOT / "deployments" / "local.yaml"
@@ -69,20 +67,7 @@ def part_of(k: str, comm: str) -> str:
 
 def cpu_by_part() -> dict[str, float]:
     """CPU seconds so far of every process of the Ray session, by part."""
-    session, node_id = ray_session()
-    parents = ppid_map()
-    out = dict.fromkeys(PARTS, 0.0)
-    for pid in cluster_pids(session, node_id, exclude={os.getpid()}):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{pid}/comm") as f:
-                comm = f.read().strip()
-        except OSError:  # gone meanwhile
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        out[part_of(kind(pid, parents), comm)] += (int(fields[11]) + int(fields[12])) * TICK_S
-    return out
+    return cpu_by(part_of, PARTS)
 
 
 def window(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -113,26 +113,29 @@ def test_request_cpu_is_a_demand_at_the_arrival_rate_not_a_burst_in_the_prefill_
     assert share.step("a", tokens=1, seconds=0.005, now=9.0) == pytest.approx(1.0, abs=0.01)
 
 
-def _decode_alone_and_together(host: SharedHost) -> tuple[float, float]:
-    """The time to decode 20 tokens on one engine alone, and on two engines of `host` at once."""
+def _decode_on(host: SharedHost, n: int) -> tuple[list[EngineModel], list[float]]:
+    """`n` engines of `host` each decoding 20 tokens from time 0, driven in lockstep (identical work,
+    so their steps end together): the engines, and when each went idle."""
     c = consts(max_batched_tokens=256)
-    alone = EngineModel("a", c, HostShare(host))
-    alone.submit(Job("x", prompt=16, target=20))
-    _, _, t_alone = run_until_idle(alone)
     share = HostShare(host)
-    engines = [EngineModel(n, c, share) for n in "ab"]
+    engines = [EngineModel(f"e{i}", c, share) for i in range(n)]
     for e in engines:
         e.submit(Job("x", prompt=16, target=20))
-    # drive both in lockstep: identical work, so their steps end together
-    ends = [e.poke(0.0) for e in engines]
-    now = 0.0
+    ends, idle_from = [e.poke(0.0) for e in engines], [0.0] * n
     while any(t is not None for t in ends):
         now = min(t for t in ends if t is not None)
         for i, e in enumerate(engines):
             if ends[i] is not None and ends[i] <= now:
                 e.end_step(now)
                 ends[i] = e.poke(now)
-    return t_alone, now
+                idle_from[i] = now
+    return engines, idle_from
+
+
+def _decode_alone_and_together(host: SharedHost) -> tuple[float, float]:
+    """The time to decode 20 tokens on one engine alone, and on two engines of `host` at once."""
+    _, [t_alone] = _decode_on(host, 1)
+    return t_alone, max(_decode_on(host, 2)[1])
 
 
 def test_two_engines_on_one_core_take_twice_as_long_as_one():
@@ -147,29 +150,15 @@ def test_the_serving_path_slows_an_engine_that_is_alone():
     assert t_alone > 1.8 * t_free  # decode steps at 1 + 3.3 / 2
 
 
-
 def test_an_engine_counts_its_steps_seconds_alone_and_as_the_host_stretched_them():
-    c = consts(max_batched_tokens=256)
-    alone = EngineModel("a", c, HostShare(ONE_CORE))
-    alone.submit(Job("x", prompt=16, target=20))
-    _, _, t_alone = run_until_idle(alone)
+    [alone], [t_alone] = _decode_on(ONE_CORE, 1)
     assert alone.work_s == pytest.approx(t_alone) and alone.stepping_s == pytest.approx(t_alone)
-    share = HostShare(ONE_CORE)
-    pair = [EngineModel(n, c, share) for n in "ab"]
-    for e in pair:
-        e.submit(Job("x", prompt=16, target=20))
-    ends, done = [e.poke(0.0) for e in pair], [0.0, 0.0]
-    while any(t is not None for t in ends):
-        now = min(t for t in ends if t is not None)
-        for i, e in enumerate(pair):
-            if ends[i] is not None and ends[i] <= now:
-                e.end_step(now)
-                ends[i] = e.poke(now)
-                done[i] = now
-    for e, idle_from in zip(pair, done):  # the same compute, its steps about twice as long on the one core
+    pair, idle_from = _decode_on(ONE_CORE, 2)
+    for e, t in zip(pair, idle_from):  # the same compute, its steps about twice as long on the one core
         assert e.work_s == pytest.approx(t_alone)
-        assert e.stepping_s == pytest.approx(idle_from)  # stepping from the start until it went idle
+        assert e.stepping_s == pytest.approx(t)  # stepping from the start until it went idle
         assert e.stepping_s == pytest.approx(2 * t_alone, rel=0.06)
+
 
 def test_without_a_shared_host_the_engine_model_is_unchanged():
     c = consts()
