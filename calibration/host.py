@@ -126,8 +126,21 @@ def _exited(pid: int) -> bool:
 
 
 def _not_here(pid: int) -> HostCalibrationError:
-    return HostCalibrationError(f"engine process {pid} is not on this machine or has exited: the host is "
-                                "measured where the command runs, which must be the app's machine")
+    return HostCalibrationError(f"engine process {pid} is not on this machine or has exited ({_what_is(pid)}): "
+                                "the host is measured where the command runs, which must be the app's machine")
+
+
+def _what_is(pid: int) -> str:
+    """What runs here as process `pid`, for an error: its name, state and command line."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "no such process here"
+    name, state = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:][:1]
+    return f"here process {pid} is {name!r}, state {state}, command line {cmd[:80]!r}"
 
 
 def fit_engine_cores(stretch_at: dict[int, float], most: float) -> float:

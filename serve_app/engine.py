@@ -166,6 +166,7 @@ RUNTIME_DIR_VAR = "DISAGG_RUNTIME_DIR"
 # What vLLM's engine processes are called in `ps` (an EngineCore, its workers): how a launcher or a
 # replica finds the ones it started
 ENGINE_PROCESS_MARKERS = ("EngineCore", "VLLM::EngineCore", "VLLM::Worker")
+ENGINE_PROCESS_NAMES = ("VLLM::EngineCor", "VLLM::Worker")  # the titles as the kernel's 15-byte names keep them
 
 
 def engine_processes_under(pid: int) -> dict[int, str]:
@@ -178,13 +179,21 @@ def engine_processes_under(pid: int) -> dict[int, str]:
 
 
 def engine_command(pid: int) -> str | None:
-    """Process `pid`'s command line if it is a vLLM engine process of this machine, else None."""
+    """Process `pid`'s command line if it is a vLLM engine process of this machine, else None. The
+    title vLLM sets is read from the command line and, where that does not carry it, from the name
+    the kernel keeps (`comm`, the title's first 15 bytes): the command line is read from the
+    process's memory, the name is not, and a fresh-clone CI host refused a running EngineCore by
+    its command line alone (the cause was not found)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            name = f.read().decode(errors="replace").strip()
     except OSError:
         return None
-    return cmd if any(m in cmd for m in ENGINE_PROCESS_MARKERS) else None
+    if any(m in cmd for m in ENGINE_PROCESS_MARKERS):
+        return cmd
+    return name if name.startswith(ENGINE_PROCESS_NAMES) else None
 
 
 def engine_tree(cores: Sequence[int]) -> tuple[int, ...]:

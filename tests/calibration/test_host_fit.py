@@ -82,8 +82,10 @@ def test_an_engine_process_not_on_this_machine_is_named():
         process_cpu_s([gone])
     with pytest.raises(HostCalibrationError, match=f"engine process {gone} is not on this machine"):
         engine_processes_running([gone])  # none of them left
-    # a process of this machine that is not an engine: another machine's engine has its number here
-    with pytest.raises(HostCalibrationError, match=f"engine process {os.getpid()} is not on this machine"):
+    # a process of this machine that is not an engine: another machine's engine has its number here;
+    # the error says what runs under that number here
+    with pytest.raises(HostCalibrationError, match=f"engine process {os.getpid()} is not on this machine .*"
+                                                   f"here process {os.getpid()} is .*, state R, command line .*pytest"):
         engine_processes_running([os.getpid()])
     assert engine_processes_running([]) == ()  # stand-in engines name none
     # one listed process that has exited since (a passing helper) is left out, the engine's are read
@@ -104,6 +106,32 @@ def test_an_engine_process_not_on_this_machine_is_named():
     finally:
         engine.kill()
         engine.wait(timeout=10)
+
+
+def test_an_engine_process_is_known_by_its_kernel_name_where_its_command_line_lacks_the_title():
+    """The kernel keeps a process's name (comm) apart from its command line, which is read from the
+    process's memory; vLLM's title sets both. A running EngineCore refused by its command line alone
+    failed a fresh-clone CI run's host fit."""
+    import subprocess
+    import time
+
+    from serve_app.engine import ENGINE_PROCESS_MARKERS, engine_command
+
+    # bash names itself as vLLM titles an EngineCore (15 bytes kept), its command line names no engine
+    named = subprocess.Popen(["bash", "-c", 'n=VLLM::Engine; printf "${n}Core" > /proc/$$/comm; sleep 60; :'])
+    plain = subprocess.Popen(["sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{named.pid}/comm").read().strip() != "VLLM::EngineCor":
+            assert time.monotonic() < deadline, "the stand-in did not take its name"
+            time.sleep(0.05)
+        assert not any(m in open(f"/proc/{named.pid}/cmdline").read() for m in ENGINE_PROCESS_MARKERS)
+        assert engine_command(named.pid) == "VLLM::EngineCor"
+        assert engine_command(plain.pid) is None
+    finally:
+        for p in (named, plain):
+            p.kill()
+            p.wait(timeout=10)
 
 
 def test_an_engines_processes_are_its_core_and_workers_not_their_passing_helpers():
