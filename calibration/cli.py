@@ -189,7 +189,8 @@ async def _measure_host(url: str, fleet, cm, seed: int, quick: bool, idle_cores:
         return await measure_host(url, fleet.model, fleet.instances, cm.engine, post,
                                   HostPlan.quick() if quick else HostPlan(), seed=seed,
                                   log=lambda m: print(f"host: {m}", file=sys.stderr), engines=fleet.engines,
-                                  idle_cores=idle_cores, engine_pids=fleet.engine_pids)
+                                  idle_cores=idle_cores, engine_pids=fleet.engine_pids,
+                                  replica_pids=fleet.replica_pids)
 
 
 def _apply_cost_model(url: str, path: Path, model: str) -> None:

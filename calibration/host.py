@@ -97,22 +97,42 @@ def process_cpu_s(pids: Sequence[int]) -> float:
     return total * TICK_S
 
 
-def engine_processes_running(pids: Sequence[int]) -> tuple[int, ...]:
-    """Those of `pids` still running, each a vLLM engine process of this machine. One that has exited
+def engine_processes_running(pids: Sequence[int], replicas: Sequence[int] = ()) -> tuple[int, ...]:
+    """Those of `pids` still running, each a vLLM engine process of this machine: titled as one by
+    vLLM, or descended from one of the engine replicas' own processes `replicas` (the app names
+    them beside their engines'). The title alone missed a running EngineCore on fresh-clone CI
+    hosts, twice; a replica's child is its engine whatever the title reads. One that has exited
     since the engine listed it is left out: a fresh-clone CI host had one gone before every fit.
-    One that runs but is no engine process (an app on other machines names processes whose numbers
-    belong to something else here), or none left of a non-empty list, is an error."""
+    One that runs but is neither (an app on other machines names processes whose numbers belong to
+    something else here), or none left of a non-empty list, is an error."""
     from serve_app.engine import engine_command
 
     running = []
     for pid in pids:  # its title first: one that exits between two reads is gone, not a stranger
-        if engine_command(pid) is not None:
+        if engine_command(pid) is not None or (_descends_from(pid, replicas) and not _exited(pid)):
             running.append(pid)
         elif not _exited(pid):
             raise _not_here(pid)
     if pids and not running:
         raise _not_here(pids[0])
     return tuple(running)
+
+
+def _descends_from(pid: int, ancestors: Sequence[int], hops: int = 64) -> bool:
+    """Whether one of `ancestors` is a parent, grandparent, ... of process `pid` (within `hops`)."""
+    wanted = set(ancestors)
+    for _ in range(hops if wanted else 0):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            return False
+        pid = int(stat[stat.rfind(b")") + 2:].split()[1])
+        if pid in wanted:
+            return True
+        if pid <= 1:
+            return False
+    return False
 
 
 def _exited(pid: int) -> bool:
@@ -319,15 +339,16 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
                        post: Callable[[dict], Awaitable[dict]], plan: HostPlan = HostPlan(), seed: int = 0,
                        log: Callable[[str], None] = lambda m: None,
                        engines: Sequence[str] = (), idle_cores: float | None = None,
-                       engine_pids: Sequence[int] = ()) -> tuple[SharedHost, dict]:
+                       engine_pids: Sequence[int] = (), replica_pids: Sequence[int] = ()) -> tuple[SharedHost, dict]:
     """The shared host's constants, measured through the app at `url` (see the module docstring);
     `post(body)` is a `/admin/probe` call, `engine` the fitted pool constants of `model`, whose
     `instances` the serving windows load; `engines`: every engine on the host, of any model (the
     contention probes'; default: `instances`); `idle_cores`: the app's CPU use at rest if already
     measured (`settle`'s quiet window), else measured here; `engine_pids`: the processes of every
     engine on the host, whose CPU is the engines' share of each window (none: their steps by the
-    constants `engine`). Returns the host and a report of every measurement."""
-    engine_pids = engine_processes_running(engine_pids)
+    constants `engine`), and `replica_pids` the engine replicas' own (`engine_processes_running`).
+    Returns the host and a report of every measurement."""
+    engine_pids = engine_processes_running(engine_pids, replica_pids)
     ids = list(engines) or list(instances)
     stretch_at = await measure_contention(ids, post, plan, seed)
     cores = float(os.cpu_count() or 1)

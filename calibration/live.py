@@ -45,6 +45,7 @@ class Fleet:
     # every engine of the app, of any model: on one host they all share its processors (`--host`)
     engines: tuple[str, ...] = ()
     engine_pids: tuple[int, ...] = ()  # and their processes (EngineCores and workers), where they name them
+    replica_pids: tuple[int, ...] = ()  # the processes of the engine replicas that name them
 
     @classmethod
     def from_state(cls, state: dict, model: str | None) -> "Fleet":
@@ -65,7 +66,8 @@ class Fleet:
             raise LiveCalibrationError(f"model {model!r} has no live instance to measure")
         return cls(model, m["source"], dict(sorted(instances.items())), int(m["max_model_len"]), int(m["max_num_seqs"]),
                    CostModel.from_dict(m["cost_model_constants"]), tuple(sorted(state["instances"])),
-                   tuple(int(pid) for i in state["instances"].values() for pid in i.get("engine_pids") or ()))
+                   tuple(int(pid) for i in state["instances"].values() for pid in i.get("engine_pids") or ()),
+                   tuple(int(i["pid"]) for i in state["instances"].values() if i.get("engine_pids") and i.get("pid")))
 
 
 @dataclass(frozen=True, slots=True)

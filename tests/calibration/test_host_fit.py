@@ -108,6 +108,32 @@ def test_an_engine_process_not_on_this_machine_is_named():
         engine.wait(timeout=10)
 
 
+def test_an_untitled_running_process_under_an_engine_replica_is_its_engines():
+    """An EngineCore is its replica's child whatever its title reads; an untitled process that is no
+    replica's descendant is still refused."""
+    import subprocess
+    import time
+
+    from calibration.host import HostCalibrationError, engine_processes_running
+    from serve_app.engine import descendants
+
+    replica = subprocess.Popen(["bash", "-c", "sleep 60 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while not descendants(replica.pid):
+            assert time.monotonic() < deadline, "the stand-in replica's child did not start"
+            time.sleep(0.05)
+        [core] = descendants(replica.pid)
+        assert engine_processes_running([core], [replica.pid]) == (core,)
+        with pytest.raises(HostCalibrationError, match=f"engine process {core} is not on this machine"):
+            engine_processes_running([core])
+        with pytest.raises(HostCalibrationError, match=f"engine process {core} is not on this machine"):
+            engine_processes_running([core], [core + 10_000_000])  # another machine's replica
+    finally:
+        replica.kill()
+        replica.wait(timeout=10)
+
+
 def test_an_engine_process_is_known_by_its_kernel_name_where_its_command_line_lacks_the_title():
     """The kernel keeps a process's name (comm) apart from its command line, which is read from the
     process's memory; vLLM's title sets both. A running EngineCore refused by its command line alone

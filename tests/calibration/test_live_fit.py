@@ -128,13 +128,15 @@ def model_state(**over) -> dict:
 
 
 def test_the_fleet_is_read_from_admin_state_and_ambiguity_is_an_error():
-    s = state({"m": model_state()}, {"prefill-1": {"model": "m", "role": "prefill", "engine_pids": [11, 12]},
-                                     "decode-2": {"model": "m", "role": "decode", "engine_pids": [21, 22]},
-                                     "o:decode-3": {"model": "o", "role": "decode", "engine_pids": [31]}})
+    s = state({"m": model_state()}, {"prefill-1": {"model": "m", "role": "prefill", "engine_pids": [11, 12], "pid": 10},
+                                     "decode-2": {"model": "m", "role": "decode", "engine_pids": [21, 22], "pid": 20},
+                                     "o:decode-3": {"model": "o", "role": "decode", "engine_pids": [31], "pid": 30},
+                                     "o:decode-4": {"model": "o", "role": "decode", "pid": 40}})  # a stand-in
     f = Fleet.from_state(s, None)
     assert f.instances == {"decode-2": "decode", "prefill-1": "prefill"} and f.cost_model == BASE
-    assert f.engines == ("decode-2", "o:decode-3", "prefill-1")  # the host's engines: every model's
+    assert f.engines == ("decode-2", "o:decode-3", "o:decode-4", "prefill-1")  # the host's: every model's
     assert sorted(f.engine_pids) == [11, 12, 21, 22, 31]  # and their processes, whose CPU is theirs
+    assert sorted(f.replica_pids) == [10, 20, 30]  # ... under the replicas that name them
     with pytest.raises(LiveCalibrationError, match="serves 2 models"):
         Fleet.from_state(state({"m": model_state(), "o": model_state()}, {}), None)
     with pytest.raises(LiveCalibrationError, match="--model 'x'"):
