@@ -109,25 +109,39 @@ def engine_processes_running(pids: Sequence[int], replicas: Sequence[int] = ()) 
 
     running = []
     for pid in pids:  # its title first: one that exits between two reads is gone, not a stranger
-        if engine_command(pid) is not None or (_descends_from(pid, replicas) and not _exited(pid)):
+        if engine_command(pid) is not None:
             running.append(pid)
-        elif not _exited(pid):
+        elif _exited(pid):
+            continue
+        elif _descends_from(pid, replicas):
+            running.append(pid)
+        else:
             raise _not_here(pid)
     if pids and not running:
         raise _not_here(pids[0])
     return tuple(running)
 
 
+def _proc_stat(pid: int) -> tuple[bytes, list[bytes]] | None:
+    """Process `pid`'s name and the fields of /proc/<pid>/stat after it (its state first, then its
+    parent); None where there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    end = stat.rfind(b")")  # the name may hold spaces and parentheses
+    return stat[stat.find(b"(") + 1:end], stat[end + 2:].split()
+
+
 def _descends_from(pid: int, ancestors: Sequence[int], hops: int = 64) -> bool:
     """Whether one of `ancestors` is a parent, grandparent, ... of process `pid` (within `hops`)."""
     wanted = set(ancestors)
     for _ in range(hops if wanted else 0):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
+        stat = _proc_stat(pid)
+        if stat is None:
             return False
-        pid = int(stat[stat.rfind(b")") + 2:].split()[1])
+        pid = int(stat[1][1])
         if pid in wanted:
             return True
         if pid <= 1:
@@ -137,12 +151,8 @@ def _descends_from(pid: int, ancestors: Sequence[int], hops: int = 64) -> bool:
 
 def _exited(pid: int) -> bool:
     """No process `pid`, or one that has exited and waits for its parent to collect it (a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return True
-    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
+    stat = _proc_stat(pid)
+    return stat is None or stat[1][0] in (b"Z", b"X")
 
 
 def _not_here(pid: int) -> HostCalibrationError:
@@ -152,14 +162,15 @@ def _not_here(pid: int) -> HostCalibrationError:
 
 def _what_is(pid: int) -> str:
     """What runs here as process `pid`, for an error: its name, state and command line."""
+    stat = _proc_stat(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
+        stat = None
+    if stat is None:
         return "no such process here"
-    name, state = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:][:1]
+    name, state = stat[0].decode(errors="replace"), stat[1][0].decode()
     return f"here process {pid} is {name!r}, state {state}, command line {cmd[:80]!r}"
 
 

@@ -187,12 +187,12 @@ def engine_command(pid: int) -> str | None:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        with open(f"/proc/{pid}/comm", "rb") as f:
+        if any(m in cmd for m in ENGINE_PROCESS_MARKERS):
+            return cmd
+        with open(f"/proc/{pid}/comm", "rb") as f:  # only where the command line lacks the title
             name = f.read().decode(errors="replace").strip()
     except OSError:
         return None
-    if any(m in cmd for m in ENGINE_PROCESS_MARKERS):
-        return cmd
     return name if name.startswith(ENGINE_PROCESS_NAMES) else None
 
 
