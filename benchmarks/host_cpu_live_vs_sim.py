@@ -22,16 +22,19 @@ Per (rate, policy, trace) it reports, in CPU seconds over the run:
   own cost);
 - the simulator's steps as stretched by its shared host over the same seconds alone: the stretch it
   applied on average;
-- the serving path live above its idle rate against `request_cpu_s` × requests + `token_cpu_s` ×
-  tokens, and its idle rate against `idle_cores`;
+- the serving path live above its idle rate against what the shared host's terms charge for the
+  run's own counts: `request_cpu_s` × requests + `step_cpu_s` × the engines' steps (as the engines
+  counted them, read from `/admin/state` around the run) + `event_cpu_s` × the messages the client
+  received + `token_cpu_s` × tokens; and its idle rate against `idle_cores`;
 - the host's cores in use live (every part, over the run's window) against its `cores`.
 
 `--at-run-speed` (after a measurement, offline): each run simulated again twice, beside the
 simulation at the fitted constants, with TTFT and TPOT p50 and p90 of all four:
 - `sim_at_run_speed`: every engine step time scaled by that run's own speed, its engines' CPU live
   over the compute its simulation asked for;
-- `sim_at_run_serving`: the serving path's CPU per streamed token and the stack's idle cores as the
-  run measured them (its serving CPU above idle, less the fitted CPU per request, over its tokens).
+- `sim_at_run_serving`: the serving path's work per step, message and token scaled to what the run
+  measured (its serving CPU above idle less the fitted CPU per request, over what the terms charge
+  for the same), and the stack's idle cores as the run measured them.
 Where one closes the gap, the model's shape holds and what it misses is that term's value under the
 run's load; where neither does, the shape is wrong. A diagnosis, not a prediction: the values are
 read from the very run they are compared with.
@@ -40,10 +43,12 @@ read from the very run they are compared with.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,10 +80,14 @@ def part_of(k: str) -> str:
     return "prefill_steps" if k.startswith("prefill") else "decode_steps"
 
 
-def cpu_by_part() -> dict[str, float]:
-    """CPU seconds so far of every process of the Ray session, by part, and this client's own."""
+def cpu_by_part(url: str | None = None) -> dict[str, float]:
+    """CPU seconds so far of every process of the Ray session, by part, and this client's own; with
+    the app's `url`, the steps its engines have made so far too (`engine_steps`)."""
     out = cpu_by(lambda kind, _comm: part_of(kind), PARTS)
     out["serving"] += time.process_time()  # the load generator shares the cores too
+    if url is not None:
+        with urllib.request.urlopen(f"{url}/admin/state", timeout=30) as r:
+            out["engine_steps"] = float(sum(i.get("steps") or 0 for i in json.load(r)["instances"].values()))
     return out
 
 
@@ -101,16 +110,21 @@ def compare(live: dict, sim: dict, idle: dict[str, float], records: list[dict], 
     steps_live = {r: cpu[f"{r}_steps"] for r in ROLES}
     tokens = sum(r["output_tokens"] or 0 for r in records if not r.get("error"))
     requests = sum(1 for r in records if not r.get("error"))
-    serving_model = host["request_cpu_s"] * requests + host["token_cpu_s"] * tokens
+    events = sum(r.get("content_events") or 0 for r in records if not r.get("error"))
+    steps = cpu.get("engine_steps", 0.0)
+    path = host["step_cpu_s"] * steps + host["event_cpu_s"] * events + host["token_cpu_s"] * tokens
+    serving_model = host["request_cpu_s"] * requests + path
     serving_live = cpu["serving"] - idle["serving"] * window
     return {
-        "requests": requests, "tokens": tokens, "window_s": round(window, 2),
+        "requests": requests, "tokens": tokens, "events": events, "engine_steps": int(steps),
+        "window_s": round(window, 2),
         "sim_makespan_s": round(sim["engine_time"]["makespan_s"], 2),
         **{f"{r}_steps_live_s": round(steps_live[r], 2) for r in ROLES},
         **{f"{r}_work_sim_s": round(work[r], 2) for r in ROLES},
         **{f"{r}_live_over_sim": round(steps_live[r] / work[r], 2) if work[r] > 0 else None for r in ROLES},
         "sim_mean_stretch": round(stepping / sum(work.values()), 2) if sum(work.values()) > 0 else None,
         "serving_live_s": round(serving_live, 2), "serving_model_s": round(serving_model, 2),
+        "serving_path_model_s": round(path, 3),
         "serving_live_over_model": round(serving_live / serving_model, 2) if serving_model > 0 else None,
         "idle_live_cores": round(sum(idle.values()), 3), "idle_model_cores": host["idle_cores"],
         "host_cores_live": round(sum(cpu[p] for p in PARTS) / window, 2), "host_cores": host["cores"],
@@ -126,11 +140,14 @@ def scaled(cm: CostModel, factor: float) -> CostModel:
 
 
 def at_serving(cm: CostModel, row: dict) -> CostModel:
-    """`cm` with its shared host's CPU per token and idle cores as the run of `row` measured them."""
+    """`cm` with its shared host's work per step, message and token scaled to what the run of `row`
+    measured of them, and its idle cores as the run measured them."""
     host = cm.shared_host
-    token_s = max(0.0, row["serving_live_s"] - host.request_cpu_s * row["requests"]) / max(1, row["tokens"])
+    live = max(0.0, row["serving_live_s"] - host.request_cpu_s * row["requests"])
+    factor = live / row["serving_path_model_s"] if row.get("serving_path_model_s") else 1.0
     return cm.model_copy(update={"shared_host": host.model_copy(update={
-        "token_cpu_s": min(token_s, 0.1), "idle_cores": min(row["idle_live_cores"], host.cores)})})
+        **{k: min(getattr(host, k) * factor, 0.1) for k in ("step_cpu_s", "event_cpu_s", "token_cpu_s")},
+        "idle_cores": min(row["idle_live_cores"], host.cores)})})
 
 
 def latency(records: list[dict]) -> dict[str, float | None]:
@@ -240,7 +257,7 @@ def main() -> int:
         log(f"{rate:g} req/s: idle {', '.join(f'{p} {c:.3f}' for p, c in idle.items())} cores")
         run_bench(BenchConfig(out=live_dir, traces=traces, policies=policies, url=args.url, rate=rate,
                               max_requests=args.max_requests, seed=args.seed, realtime=args.realtime),
-                  log=log, meter=cpu_by_part)
+                  log=log, meter=functools.partial(cpu_by_part, args.url))
         slices = {"traces": list(traces), "policies": list(policies), "max_requests": args.max_requests,
                   "seed": args.seed}
         cm = load_profile(live_dir / COST_MODEL_FILE)

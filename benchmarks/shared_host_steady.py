@@ -37,8 +37,8 @@ def modelled_tpot_s(cm, batches: dict[str, int]) -> dict[str, float]:
     host = cm.shared_host
     if host is None:
         return {iid: cm.for_instance(iid).decode_token_s(n) for iid, n in batches.items()}
-    tokens = sum(host.serving_cores(n, cm.for_instance(iid).step_s(0, n)) for iid, n in batches.items())
-    sigma = host.stretch(len(batches), tokens)
+    serving = [host.serving_cores(n, cm.for_instance(iid).step_s(0, n)) for iid, n in batches.items()]
+    sigma = host.stretch(len(batches), sum(load for load, _ in serving), sum(relay for _, relay in serving))
     return {iid: cm.for_instance(iid).decode_token_s(n) * sigma for iid, n in batches.items()}
 
 

@@ -133,7 +133,8 @@ def cmd_calibrate_live(args) -> int:
         h = cm.shared_host
         print(f"shared host: {h.cores:g} cores, engines on {h.engine_cores:g} ({h.mixed_cores or h.engine_cores:g} "
               f"while one prefills), a prefill's weight beside a decode {h.prefill_weight:g}; serving path "
-              f"{h.token_cpu_s * 1e6:.0f} µs CPU per streamed token, {h.request_cpu_s * 1e3:.1f} ms per request, "
+              f"{h.step_cpu_s * 1e6:.0f} µs CPU per engine step, {h.event_cpu_s * 1e6:.0f} µs per message of "
+              f"tokens, {h.request_cpu_s * 1e3:.1f} ms per request, "
               f"{h.idle_cores:.2f} cores idle")
     print(f"wrote {out} ({len(fits)} instances of {fleet.model}, measured {measured_at}) in {seconds:.0f} s of probes")
     if args.report:
@@ -186,11 +187,20 @@ async def _measure_host(url: str, fleet, cm, seed: int, quick: bool, idle_cores:
             except AppError as e:
                 raise LiveCalibrationError(f"{e} (probe {body})") from None
 
+        async def steps() -> int:  # every engine's on the host, of any model
+            try:
+                instances = (await app.state())["instances"]
+            except AppError as e:
+                raise LiveCalibrationError(f"reading the engines' steps: {e}") from None
+            return sum(int(i.get("steps") or 0) for iid, i in instances.items() if iid in hosted)
+
+        hosted = set(fleet.engines or fleet.instances)
         return await measure_host(url, fleet.model, fleet.instances, cm.engine, post,
                                   HostPlan.quick() if quick else HostPlan(), seed=seed,
                                   log=lambda m: print(f"host: {m}", file=sys.stderr), engines=fleet.engines,
                                   idle_cores=idle_cores, engine_pids=fleet.engine_pids,
-                                  replica_pids=fleet.replica_pids)
+                                  replica_pids=fleet.replica_pids, read_steps=steps,
+                                  stream_intervals=fleet.stream_intervals)
 
 
 def _apply_cost_model(url: str, path: Path, model: str) -> None:

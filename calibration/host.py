@@ -11,11 +11,15 @@ serving path takes beside them (`CostModel.shared_host`, the processor-sharing m
    got of the core is one over its stretch, and their ratio is the prefill's weight
    (`fit_prefill_weight`); their sum is the cores the two shared (`mixed_cores`: decode steps
    beside each other can lose more of a core than a prefill beside a decode does).
-2. **Serving CPU.** The host's CPU time (/proc/stat, less this process's own) over three windows:
-   idle, streams of long answers, and many short requests, all through the app. The idle rate is
-   the stack's background (`idle_cores`; `settle`'s quiet window where one ran before). Each
-   loaded window's CPU above it, less the engines' own above theirs, is split into CPU per
-   streamed token and per request (`fit_serving_cpu`). The engines' CPU is read from their
+2. **Serving CPU.** The host's CPU time (/proc/stat, less this process's own) over four windows:
+   idle, a few streams of long answers, many such streams, and many short requests, all through
+   the app. The idle rate is the stack's background (`idle_cores`; `settle`'s quiet window where
+   one ran before). Each loaded window's CPU above it, less the engines' own above theirs, is split
+   into CPU per engine step (the engines count their steps: `/admin/state`), per message of tokens
+   the client received and per request (`fit_serving_cpu`). Per streamed token it is not a
+   constant: measured on the CPU profile, it fell fivefold from one stream to sixteen, as the
+   engine replicas batch more of a stream's tokens into a message and each step carries more
+   tokens; per step and per message it held. The engines' CPU is read from their
    processes (the EngineCore and its workers, as `/admin/state` names them): what their steps
    took, measured. Where no engine names its processes (stand-ins) it is what the steps of that
    load take by the fitted constants, a small difference of two large numbers on a saturated
@@ -40,9 +44,11 @@ import numpy as np
 from disagg.core.cost_model import EngineConstants, SharedHost
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-STREAM_TOKENS = 128  # the streaming window: long answers, so tokens dominate its CPU
+STREAM_TOKENS = 128  # the streaming windows: long answers, so steps and messages dominate their CPU
 STREAMS = 16
 STREAM_REQUESTS = 48
+FEW_STREAMS = 2  # a few streams: many steps, each of few tokens, in few messages
+FEW_STREAM_REQUESTS = 8
 SHORT_TOKENS = 4  # the short window: requests dominate
 SHORT_CONCURRENCY = 8
 SHORT_REQUESTS = 120
@@ -53,6 +59,7 @@ CONTENTION_ROUNDS = 4  # probes of one engine vary by ±30% on shared cores: the
 WEIGHT_PROMPT = 1024  # the prefill the weight is measured with: the SLO rule's reference prompt
 WEIGHT_LEAD_S = 0.03  # the first of two overlapping probes starts this long before the second
 IDLE_ENGINES_S = 1.0  # the engines' idle CPU where the host's was read before: they rest at ~0
+STEPS_SETTLE_S = 0.1  # after a window, for the engines' last steps to reach the router's state (pushed in ms)
 QUIET_CORES = 0.4  # a host this busy with nothing served is still settling (`settle`); the CPU profile idles at ~0.2
 
 
@@ -65,10 +72,12 @@ class HostPlan:
     idle_s: float = 8.0
     stream_requests: int = STREAM_REQUESTS
     short_requests: int = SHORT_REQUESTS
+    few_stream_requests: int = FEW_STREAM_REQUESTS
 
     @classmethod
     def quick(cls) -> "HostPlan":
-        return cls(CONTENTION_ROUNDS // 2, CONTENTION_TOKENS // 2, 4.0, STREAM_REQUESTS // 2, SHORT_REQUESTS // 2)
+        return cls(CONTENTION_ROUNDS // 2, CONTENTION_TOKENS // 2, 4.0, STREAM_REQUESTS // 2, SHORT_REQUESTS // 2,
+                   FEW_STREAM_REQUESTS // 2)
 
 
 class HostCalibrationError(RuntimeError):
@@ -196,23 +205,25 @@ def fit_prefill_weight(decode_stretch: list[float], prefill_stretch: list[float]
 
 @dataclass(frozen=True, slots=True)
 class LoadWindow:
-    """One loaded window: CPU above idle (s), what it served, and what the engines' steps of it take."""
+    """One loaded window: CPU above idle (s), what it served (the engines' steps, the messages of
+    tokens the client received, the requests), and what the engines' steps of it take."""
 
     cpu_s: float
-    tokens: int
+    steps: int
+    events: int
     requests: int
     engine_s: float
 
 
-def fit_serving_cpu(windows: list[LoadWindow]) -> tuple[float, float]:
-    """(token_cpu_s, request_cpu_s) from loaded windows: non-negative least squares of
-    cpu − engine time = tokens · token_cpu_s + requests · request_cpu_s."""
+def fit_serving_cpu(windows: list[LoadWindow]) -> tuple[float, float, float]:
+    """(step_cpu_s, event_cpu_s, request_cpu_s) from loaded windows: non-negative least squares of
+    cpu − engine time = steps · step_cpu_s + events · event_cpu_s + requests · request_cpu_s."""
     from calibration.fit import nnls
 
-    a = np.array([[w.tokens, w.requests] for w in windows], dtype=float)
+    a = np.array([[w.steps, w.events, w.requests] for w in windows], dtype=float)
     b = np.array([w.cpu_s - w.engine_s for w in windows], dtype=float)
-    token_s, request_s = nnls(a, b)  # a window below its engine time (noise, steps that wait) pulls toward 0
-    return float(token_s), float(request_s)
+    step_s, event_s, request_s = nnls(a, b)  # a window below its engine time (noise, steps that wait) pulls toward 0
+    return float(step_s), float(event_s), float(request_s)
 
 
 def engine_seconds(c: EngineConstants, requests: int, prompt: int, tokens: int, batch_per_engine: float) -> float:
@@ -223,27 +234,29 @@ def engine_seconds(c: EngineConstants, requests: int, prompt: int, tokens: int, 
     return requests * (c.prefill_s(prompt) + max(0, tokens - 1) * per_token)
 
 
-async def _load(url: str, model: str, requests: int, concurrency: int, tokens: int, seed: int) -> int:
-    """Send `requests` streaming completions `concurrency` at a time; the tokens they streamed."""
+async def _load(url: str, model: str, requests: int, concurrency: int, tokens: int, seed: int) -> tuple[int, int]:
+    """Send `requests` streaming completions `concurrency` at a time, each window its own prompts;
+    (the tokens they streamed, the messages of content they came in)."""
     from disagg.app_client import AsyncAppClient
     from disagg.bench.loadgen import PlannedRequest, prompt_seed, send_one
 
     sem = asyncio.Semaphore(concurrency)
-    streamed = 0
+    streamed = events = 0
 
     async def one(app: AsyncAppClient, i: int) -> None:
-        nonlocal streamed
+        nonlocal streamed, events
         req = PlannedRequest(index=i, at_s=0.0, prompt_tokens=PROMPT_TOKENS, max_tokens=tokens,
-                             prompt_seed=prompt_seed(seed, "calibrate/host", i))
+                             prompt_seed=prompt_seed(seed, f"calibrate/host/{concurrency}/{tokens}", i))
         async with sem:
             r = await send_one(app.http, model, req, timeout_s=120.0)
         if r.error:
             raise HostCalibrationError(f"{url}/v1/completions: {r.error}")
         streamed += r.tokens
+        events += r.content_events
 
     async with AsyncAppClient(url, timeout_s=120.0, max_connections=concurrency) as app:
         await asyncio.gather(*(one(app, i) for i in range(requests)))
-    return streamed
+    return streamed, events
 
 
 async def _cpu_of(run: Callable[[], Awaitable], engine_pids: Sequence[int] = ()) -> tuple[float, float, float, object]:
@@ -350,15 +363,20 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
                        post: Callable[[dict], Awaitable[dict]], plan: HostPlan = HostPlan(), seed: int = 0,
                        log: Callable[[str], None] = lambda m: None,
                        engines: Sequence[str] = (), idle_cores: float | None = None,
-                       engine_pids: Sequence[int] = (), replica_pids: Sequence[int] = ()) -> tuple[SharedHost, dict]:
+                       engine_pids: Sequence[int] = (), replica_pids: Sequence[int] = (),
+                       read_steps: Callable[[], Awaitable[int]] | None = None,
+                       stream_intervals: tuple[float, float] = (0.0, 0.0)) -> tuple[SharedHost, dict]:
     """The shared host's constants, measured through the app at `url` (see the module docstring);
     `post(body)` is a `/admin/probe` call, `engine` the fitted pool constants of `model`, whose
     `instances` the serving windows load; `engines`: every engine on the host, of any model (the
     contention probes'; default: `instances`); `idle_cores`: the app's CPU use at rest if already
     measured (`settle`'s quiet window), else measured here; `engine_pids`: the processes of every
     engine on the host, whose CPU is the engines' share of each window (none: their steps by the
-    constants `engine`), and `replica_pids` the engine replicas' own (`engine_processes_running`).
-    Returns the host and a report of every measurement."""
+    constants `engine`), and `replica_pids` the engine replicas' own (`engine_processes_running`);
+    `read_steps()`: the steps every engine on the host has made so far (None: not known, and the
+    serving path's CPU is split between messages and requests alone); `stream_intervals`: the
+    app's batching of streams (`engine.stream_interval_s`, `engine.stream_interval_max_s`), which
+    the host's model prices messages by. Returns the host and a report of every measurement."""
     engine_pids = engine_processes_running(engine_pids, replica_pids)
     ids = list(engines) or list(instances)
     stretch_at = await measure_contention(ids, post, plan, seed)
@@ -388,32 +406,46 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
         engines_idle = 0.0
     idle_rate, engines_idle_rate = idle_cores, engines_idle / idle_wall
     windows, modelled, report_windows = [], [], []
-    for name, requests, concurrency, tokens in (("streams", plan.stream_requests, STREAMS, STREAM_TOKENS),
-                                                ("short", plan.short_requests, SHORT_CONCURRENCY, SHORT_TOKENS)):
-        cpu, engines_cpu, wall, streamed = await _cpu_of(
+
+    async def steps_so_far() -> int:
+        return await read_steps() if read_steps is not None else 0
+
+    for name, requests, concurrency, tokens in (
+            ("few streams", plan.few_stream_requests, FEW_STREAMS, STREAM_TOKENS),
+            ("streams", plan.stream_requests, STREAMS, STREAM_TOKENS),
+            ("short", plan.short_requests, SHORT_CONCURRENCY, SHORT_TOKENS)):
+        steps_before = await steps_so_far()
+        cpu, engines_cpu, wall, (streamed, events) = await _cpu_of(
             lambda: _load(url, model, requests, concurrency, tokens, seed), engine_pids)
+        await asyncio.sleep(STEPS_SETTLE_S)
+        steps = await steps_so_far() - steps_before
         above = cpu - idle_rate * wall
-        steps = engine_seconds(engine, requests, PROMPT_TOKENS, tokens, concurrency / decode)
+        by_constants = engine_seconds(engine, requests, PROMPT_TOKENS, tokens, concurrency / decode)
         engines_above = engines_cpu - engines_idle_rate * wall
-        windows.append(LoadWindow(above, streamed, requests, engines_above if engine_pids else steps))
-        modelled.append(LoadWindow(above, streamed, requests, steps))
+        windows.append(LoadWindow(above, steps, events, requests, engines_above if engine_pids else by_constants))
+        modelled.append(LoadWindow(above, steps, events, requests, by_constants))
         report_windows.append({"window": name, "requests": requests, "concurrency": concurrency,
-                               "tokens": streamed, "wall_s": round(wall, 3), "cpu_above_idle_s": round(above, 3),
-                               "engine_steps_s": round(steps, 3),
+                               "tokens": streamed, "events": events, "engine_steps": steps,
+                               "wall_s": round(wall, 3), "cpu_above_idle_s": round(above, 3),
+                               "engine_steps_s": round(by_constants, 3),
                                "engine_cpu_above_idle_s": round(engines_above, 3) if engine_pids else None})
-        log(f"{name}: {requests} requests, {streamed} tokens in {wall:.1f} s; {above:.2f} s of CPU above idle, "
-            + (f"{engines_above:.2f} s of it the engines' ({steps:.2f} s of steps by the constants)" if engine_pids
-               else f"{steps:.2f} s of it engine steps by the constants"))
-    token_cpu_s, request_cpu_s = fit_serving_cpu(windows)
+        log(f"{name}: {requests} requests, {streamed} tokens in {events} messages and {steps} engine steps in "
+            f"{wall:.1f} s; {above:.2f} s of CPU above idle, "
+            + (f"{engines_above:.2f} s of it the engines' ({by_constants:.2f} s of steps by the constants)"
+               if engine_pids else f"{by_constants:.2f} s of it engine steps by the constants"))
+    step_cpu_s, event_cpu_s, request_cpu_s = fit_serving_cpu(windows)
     by_steps = fit_serving_cpu(modelled)  # the other reading, for the report: how far the constants' steps are off
-    host = SharedHost(engine_cores=engine_cores, cores=cores, token_cpu_s=round(token_cpu_s, 7),
-                      request_cpu_s=round(request_cpu_s, 6), idle_cores=round(min(idle_rate, cores), 3),
+    host = SharedHost(engine_cores=engine_cores, cores=cores, step_cpu_s=round(step_cpu_s, 7),
+                      event_cpu_s=round(event_cpu_s, 7), request_cpu_s=round(request_cpu_s, 6),
+                      stream_interval_s=stream_intervals[0], stream_interval_max_s=stream_intervals[1],
+                      idle_cores=round(min(idle_rate, cores), 3),
                       prefill_weight=min(max(weight, 0.1), 10.0), mixed_cores=mixed)
     report = {"stretch_by_busy_engines": stretch_at, "prefill_beside_decode": weight_report,
               "idle_cores": round(idle_rate, 4), "engines_idle_cores": round(engines_idle_rate, 4),
               "engine_cpu": "measured" if engine_pids else "by the constants", "engine_processes": len(engine_pids),
               "windows": report_windows,
-              "serving_cpu_by_the_constants": {"token_cpu_s": round(by_steps[0], 7),
-                                               "request_cpu_s": round(by_steps[1], 6)},
+              "serving_cpu_by_the_constants": {"step_cpu_s": round(by_steps[0], 7),
+                                               "event_cpu_s": round(by_steps[1], 7),
+                                               "request_cpu_s": round(by_steps[2], 6)},
               "shared_host": host.model_dump(mode="json")}
     return host, report

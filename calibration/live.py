@@ -46,6 +46,8 @@ class Fleet:
     engines: tuple[str, ...] = ()
     engine_pids: tuple[int, ...] = ()  # and their processes (EngineCores and workers), where they name them
     replica_pids: tuple[int, ...] = ()  # the processes of the engine replicas that name them
+    # how the engine replicas batch a stream's tokens into messages (the app's engine settings)
+    stream_intervals: tuple[float, float] = (0.0, 0.0)
 
     @classmethod
     def from_state(cls, state: dict, model: str | None) -> "Fleet":
@@ -67,7 +69,8 @@ class Fleet:
         return cls(model, m["source"], dict(sorted(instances.items())), int(m["max_model_len"]), int(m["max_num_seqs"]),
                    CostModel.from_dict(m["cost_model_constants"]), tuple(sorted(state["instances"])),
                    tuple(int(pid) for i in state["instances"].values() for pid in i.get("engine_pids") or ()),
-                   tuple(int(i["pid"]) for i in state["instances"].values() if i.get("engine_pids") and i.get("pid")))
+                   tuple(int(i["pid"]) for i in state["instances"].values() if i.get("engine_pids") and i.get("pid")),
+                   (float(m.get("stream_interval_s") or 0.0), float(m.get("stream_interval_max_s") or 0.0)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,6 +98,8 @@ class Admin:
                                 # what `disagg calibrate --live` needs to know of the fleet
                                 "source": m.cfg.model.source, "max_model_len": m.cfg.model.max_model_len,
                                 "max_num_seqs": m.cfg.engine.max_num_seqs,
+                                "stream_interval_s": m.cfg.engine.stream_interval_s,
+                                "stream_interval_max_s": m.cfg.engine.stream_interval_max_s,
                                 "cost_model_constants": m.cost_model.to_dict()}
                        for m in self.models.values()},
             "instances": {i.instance_id: {"role": i.role.value, "model": i.model, **i.report.as_dict(),

@@ -137,6 +137,7 @@ class EngineState:
     kv_transfers_failed: int
     kv_received_tokens: int = 0
     block_size: int = 0  # tokens per KV block (0 before the engine started)
+    steps: int = 0  # engine steps whose outputs the replica processed (what its serving CPU follows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,8 +255,10 @@ class _StatsRecorder:
         self.xfer_ok = 0
         self.xfer_failed = 0
         self.received_tokens = 0
+        self.steps = 0
 
     def record(self, s: Any) -> None:
+        self.steps += 1
         self.running = s.num_running_reqs
         self.waiting = s.num_waiting_reqs + getattr(s, "num_skipped_waiting_reqs", 0)
         self.kv_usage = s.kv_cache_usage
@@ -603,6 +606,7 @@ class VllmEngine:
             kv_transfers_failed=s.xfer_failed,
             kv_received_tokens=s.received_tokens,
             block_size=self._block_size,
+            steps=s.steps,
         )
 
     async def reset_prefix_cache(self) -> bool:

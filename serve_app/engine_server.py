@@ -42,6 +42,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from disagg.core.cost_model import stream_interval
 from disagg.core.kv_event_fold import KvEventFold
 from disagg.core.prefix_index import index_block_tokens
 from disagg.core.types import Role
@@ -178,7 +179,6 @@ def kill_engine_children() -> None:
 
 
 _END = object()
-STREAMS_PER_INTERVAL = 4  # streams an engine batches at the base interval before the interval grows
 
 
 async def coalesce(stream: AsyncIterator, interval_s: float | Callable[[], float]) -> AsyncIterator[list]:
@@ -357,12 +357,9 @@ class EngineServer:
             self._release(call, after_first_token=prefilled)
 
     def _stream_interval_s(self) -> float:
-        """The batching interval of this engine's streams: `stream_interval_s` up to
-        STREAMS_PER_INTERVAL streams, then growing with their number (up to `stream_interval_max_s`),
-        so the messages the engine sends per second stay flat as load grows instead of the hops'
-        cost growing with it."""
-        grown = self.stream_interval_base_s * self.streams / STREAMS_PER_INTERVAL
-        return min(self.stream_interval_max_s, max(self.stream_interval_base_s, grown))
+        """The batching interval of this engine's streams (`stream_interval`, which the cost model
+        prices the serving path's messages by)."""
+        return stream_interval(self.streams, self.stream_interval_base_s, self.stream_interval_max_s)
 
     async def abort(self, request_id: str, replica: str | None = None) -> None:
         await self.engine.abort(request_id)
@@ -395,7 +392,7 @@ class EngineServer:
             prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
             kv_transfers_ok=s.kv_transfers_ok, kv_transfers_failed=s.kv_transfers_failed,
             kv_received_tokens=s.kv_received_tokens, admitted=self.calls.totals(), pid=os.getpid(),
-            block_size=s.block_size, node_id=self.node_id, engine_pids=self.engine_pids,
+            block_size=s.block_size, node_id=self.node_id, engine_pids=self.engine_pids, steps=s.steps,
             kv_events_missed=self.kv_events.missed + self.kv_events.fold.unattributed if self.kv_events else 0)
 
     async def reset_prefix_cache(self) -> bool:

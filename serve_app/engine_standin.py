@@ -172,6 +172,7 @@ class StandInEngine:
         self.calls = CallLedger(self.role)
         self.running: dict[str, _Sequence] = {}
         self.prefills_waiting = 0
+        self.steps = 0  # its steps, a prefill's included, as vLLM's engine reports them
         self._prefill_lock = asyncio.Lock()  # one prefill at a time, in arrival order
         self._work = asyncio.Event()
         self._stepper = asyncio.create_task(self._step_forever())
@@ -192,6 +193,7 @@ class StandInEngine:
                 cached = self.cache.cached_tokens(prompt)
                 await asyncio.sleep(self.constants.prefill_s(len(prompt) - cached))
                 self.cache.store(prompt)
+                self.steps += 1
         finally:
             self.prefills_waiting -= 1
             self.publisher.poke()
@@ -209,6 +211,7 @@ class StandInEngine:
                 seq.tokens.put_nowait(None)
                 if seq.left <= 0:
                     del self.running[rid]
+            self.steps += 1
             self.publisher.poke()
 
     def _kv_used(self) -> int:
@@ -220,6 +223,7 @@ class StandInEngine:
             kv_used_tokens=min(self.capacity, self._kv_used()), kv_capacity_tokens=self.capacity,
             prefix_cache_hits=0, prefix_cache_queries=0, kv_transfers_ok=0, kv_transfers_failed=0,
             kv_received_tokens=0, admitted=self.calls.totals(), pid=os.getpid(), block_size=self.block_size,
+            steps=self.steps,
             kv_events_missed=self.cache.fold.unattributed if self.cache.fold else 0)
 
     # -- the replica interface -------------------------------------------------------------------

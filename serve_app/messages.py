@@ -196,6 +196,7 @@ class EngineStateReport:
     stale_decisions: int = 0  # ... of which on a version older than the freshness bound (`state_age_bound_s`)
     prefix_seq: int = 0  # the version of its prefix cache, from vLLM's KV events (0: events are off)
     kv_events_missed: int = 0  # event batches lost, and blocks stored under a parent never seen (cumulative)
+    steps: int = 0  # engine steps with outputs (cumulative; rides the versions other signals make: `state_push.moved`)
     prefixes: PrefixUpdate | None = None  # pushed to one router: its prefix cache since that router's last update
 
     def as_dict(self) -> dict[str, Any]:

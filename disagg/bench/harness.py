@@ -273,14 +273,14 @@ def live_record(res: ClientResult, *, policy: str, trace: str, req: TraceRequest
     ).as_dict()
     return {"system": system, "policy": policy, "trace": trace, "index": res.index, **rec,
             "max_tokens": res.max_tokens, "rate": rate, "sent_s": res.sent_s, "send_lag_s": res.send_lag_s,
-            "status": res.status, "route": route}
+            "content_events": res.content_events, "status": res.status, "route": route}
 
 
 def sim_record(r: RequestRecord, *, policy: str, trace: str, rate: float, slice_: Sequence[TraceRequest]) -> dict:
     index = int(r.request_id[1:])  # the simulator names request i of its trace "r{i}"
     return {"system": SIM, "policy": policy, "trace": trace, "index": index, **r.as_dict(),
             "request_id": f"{trace}/{index}", "max_tokens": slice_[index].output_tokens, "rate": rate,
-            "sent_s": r.arrival_s, "send_lag_s": None, "status": None, "route": {}}
+            "sent_s": r.arrival_s, "send_lag_s": None, "content_events": None, "status": None, "route": {}}
 
 
 # --- planning ----------------------------------------------------------------------------------

@@ -29,12 +29,18 @@ Shared hardware (`shared_host`): where the engines do not own their devices — 
 every engine's compute on one core and the serving path's Python on every core, that one included —
 every busy engine's steps run slower than alone by one stretch factor, processor sharing:
 
-    stretch = max(1, k / engine_cores) + (request_cores + idle_cores) / cores + token_cores / (cores · stretch)
+    stretch = max(1, k / engine_cores) + (request_cores + relay_cores + idle_cores) / cores
+              + step_cores / (cores · stretch)
 
 with k engines busy and the serving path demanding request_cpu_s per request at the rate requests
-arrive (spent over each request's life, not in the step that prefills it), token_cpu_s per
-streamed token at the rate the busy engines stream them — the stretched rate, hence the fixed point —
-and idle_cores whatever is served (the stack's background: Ray, state pushes, metrics).
+arrive (spent over each request's life, not in the step that prefills it); step_cpu_s per busy
+engine's step, and event_cpu_s per message of tokens where a message leaves every step, at the rate
+the busy engines step — the stretched rate, hence the fixed point; event_cpu_s per message where
+the app batches a stream's tokens over a longer interval (`stream_interval`), at that interval's
+rate (relay_cores); and idle_cores whatever is served (the stack's background: Ray, metrics).
+Profiles calibrated before steps and messages were counted price token_cpu_s per streamed token
+at the steps' rate instead: on the CPU profile that cost per token fell fivefold from one stream
+to sixteen, while per step and per message it held (docs/results.md).
 The engines time-share the cores they are pinned to; the serving path's threads are not pinned, so
 the operating system spreads them over every core, the engines' included, and each busy engine
 loses their share of its core on top (they do not wait for the cores the engines leave idle: the
@@ -138,7 +144,22 @@ class SharedHost(_Strict):
                          description="processors of the host, shared by the engines' steps and the serving path")
     token_cpu_s: float = Field(default=0.0, ge=0.0, le=0.1,
                                description="CPU seconds per streamed token outside the engines' steps (output "
-                                           "processing, engine replica, router, proxy)")
+                                           "processing, engine replica, router, proxy); calibrations that count "
+                                           "steps and messages (`step_cpu_s`, `event_cpu_s`) leave it at 0")
+    step_cpu_s: float = Field(default=0.0, ge=0.0, le=0.1,
+                              description="CPU seconds per engine step outside the engine's own processes: "
+                                          "vLLM's processing of the step's outputs and its statistics, in the "
+                                          "engine replica")
+    event_cpu_s: float = Field(default=0.0, ge=0.0, le=0.1,
+                               description="CPU seconds per message of streamed tokens the serving path relays "
+                                           "(engine replica, router, proxy, to the client)")
+    stream_interval_s: float = Field(default=0.0, ge=0.0, le=1.0,
+                                     description="the app's batching of a stream's tokens into one message at "
+                                                 "most this often (its `engine.stream_interval_s`; 0: a message "
+                                                 "per token)")
+    stream_interval_max_s: float = Field(default=0.0, ge=0.0, le=1.0,
+                                         description="the longest the batching interval grows to with the "
+                                                     "engine's open streams (its `engine.stream_interval_max_s`)")
     request_cpu_s: float = Field(default=0.0, ge=0.0, le=1.0,
                                  description="CPU seconds per request served outside the engines' steps "
                                              "(rendering, routing, the prefill and decode calls)")
@@ -169,9 +190,10 @@ class SharedHost(_Strict):
     def stretch(self, busy: int, token_cores: float = 0.0, request_cores: float = 0.0,
                 own: float = 1.0, weights: float | None = None) -> float:
         """How many times slower than alone a busy engine's steps run, with `busy` engines busy, the
-        serving path streaming their tokens (`token_cores`: the processors it needs at the engines'
-        unstretched rates) and serving the requests arriving (`request_cores`), beside the stack's
-        background (`idle_cores`); 1 when nothing is busy.
+        serving path working for their steps (`token_cores`: the processors it needs at the engines'
+        unstretched rates) and at rates of its own (`request_cores`: the requests arriving, the
+        messages batched over an interval), beside the stack's background (`idle_cores`); 1 when
+        nothing is busy.
 
         With more busy engines than their cores, each gets the cores in proportion to its step's
         weight (`own`, of `weights` summed over the busy engines, the engine's own included; by
@@ -231,18 +253,42 @@ class SharedHost(_Strict):
         stamps = [h.measured_at for h in hosts if h.measured_at is not None]
         return cls(engine_cores=median(lambda h: h.engine_cores), cores=hosts[0].cores,
                    token_cpu_s=median(lambda h: h.token_cpu_s), request_cpu_s=median(lambda h: h.request_cpu_s),
+                   step_cpu_s=median(lambda h: h.step_cpu_s), event_cpu_s=median(lambda h: h.event_cpu_s),
+                   stream_interval_s=hosts[-1].stream_interval_s, stream_interval_max_s=hosts[-1].stream_interval_max_s,
                    idle_cores=median(lambda h: h.idle_cores), prefill_weight=median(lambda h: h.prefill_weight),
                    mixed_cores=median(lambda h: h.mixed_cores or h.engine_cores) if mixed else None,
                    measured_at=max(stamps) if stamps else None)
 
-    def serving_cores(self, tokens: float, seconds: float) -> float:
-        """Processors the serving path needs to keep up with `tokens` streamed every `seconds` (an
-        unstretched step's length)."""
-        return tokens * self.token_cpu_s / seconds
+    def serving_cores(self, tokens: float, seconds: float) -> tuple[float, float]:
+        """Processors the serving path needs beside an engine whose steps of `seconds` (alone) each
+        stream a token to `tokens` streams: (what follows the steps — each step's output processing,
+        each token, and each message where the app sends one every step — so it slows as the steps
+        are stretched; what does not — the messages where the app batches a stream's tokens over an
+        interval longer than a step, a rate of their own). Measured on the CPU profile: a lone
+        stream's steps cost its engine replica 620 µs each, and its tokens left in messages of 8."""
+        per_step = self.step_cpu_s + tokens * self.token_cpu_s
+        if self.event_cpu_s == 0.0 or tokens <= 0:
+            return per_step / seconds, 0.0
+        interval = stream_interval(tokens, self.stream_interval_s, self.stream_interval_max_s)
+        if interval > seconds:
+            return per_step / seconds, tokens * self.event_cpu_s / interval
+        return (per_step + tokens * self.event_cpu_s) / seconds, 0.0
 
     def request_cores(self, requests_per_s: float) -> float:
         """Processors the serving path's per-request work takes when requests arrive at `requests_per_s`."""
         return requests_per_s * self.request_cpu_s
+
+
+STREAMS_PER_INTERVAL = 4  # streams an engine batches at the base interval before the interval grows
+
+
+def stream_interval(streams: float, base_s: float, most_s: float) -> float:
+    """The interval an engine with `streams` open batches each stream's tokens over (the app's
+    engine replicas do; `base_s` its `stream_interval_s`, `most_s` its `stream_interval_max_s`):
+    the base up to STREAMS_PER_INTERVAL streams, then growing with their number up to `most_s`, so
+    the messages an engine sends per second stay flat as load grows instead of the token path's
+    hops' cost growing with it."""
+    return min(max(base_s, most_s), max(base_s, base_s * streams / STREAMS_PER_INTERVAL))
 
 
 class TransferConstants(_Strict):

@@ -160,8 +160,10 @@ class HostShare:
 
     def __init__(self, host: SharedHost, requests: RequestRate | None = None) -> None:
         self.host = host
-        self.loads: dict[str, float] = {}  # busy engine → serving cores its current step's tokens call for
+        self.loads: dict[str, float] = {}  # busy engine → serving cores its current step calls for, at its rate
         self.total = 0.0
+        self.relays: dict[str, float] = {}  # busy engine → serving cores its streams' batched messages take
+        self.relay_total = 0.0
         self.weights: dict[str, float] = {}  # busy engine → its current step's weight (`SharedHost.step_weight`)
         self.weight = 0.0  # their sum
         self.requests = requests if requests is not None else RequestRate()
@@ -176,7 +178,8 @@ class HostShare:
         """An engine plans a step of `seconds` (alone, `prefill_s` of it prefill work) at `now` that
         streams `tokens`: its stretch."""
         weight = self.host.step_weight(prefill_s, seconds)
-        self._busy(instance_id, self.host.serving_cores(tokens, seconds), weight)
+        load, relay = self.host.serving_cores(tokens, seconds)
+        self._busy(instance_id, load, relay, weight)
         return self.stretch_at(now, weight)
 
     def release_at(self, instance_id: str, when: float) -> None:
@@ -192,10 +195,11 @@ class HostShare:
         a busy engine's share of the host and streams nothing (docs/results.md: a lone hand-off's
         decode engine spent more CPU on a two-token answer than an engine serving a whole
         1,024-token request)."""
-        self._busy(instance_id, 0.0, 1.0)
+        self._busy(instance_id, 0.0, 0.0, 1.0)
 
-    def _busy(self, instance_id: str, load: float, weight: float) -> None:
-        """`instance_id` is busy with a step of `weight`, its serving path needing `load` cores."""
+    def _busy(self, instance_id: str, load: float, relay: float, weight: float) -> None:
+        """`instance_id` is busy with a step of `weight`, its serving path needing `load` cores at
+        the step's rate and `relay` at its messages' own (`SharedHost.serving_cores`)."""
         old = self.loads.get(instance_id)
         was = self.weights.get(instance_id, 0.0)
         if old is None:
@@ -205,6 +209,8 @@ class HostShare:
             self.busy_changes += 1
         self.loads[instance_id] = load
         self.total += load - old
+        self.relay_total += relay - self.relays.get(instance_id, 0.0)
+        self.relays[instance_id] = relay
         self.weight += weight - was
         self.weights[instance_id] = weight
 
@@ -216,14 +222,16 @@ class HostShare:
         while self.releases and self.releases[0][0] <= now:
             self.idle(self.releases.pop(0)[1])
         requests = self.host.request_cores(self.requests.at(now)) if self.host.request_cpu_s else 0.0
-        return self.host.stretch(len(self.loads), self.total, requests, own, self.weight)
+        return self.host.stretch(len(self.loads), self.total, requests + self.relay_total, own, self.weight)
 
     def idle(self, instance_id: str) -> None:
         old = self.loads.pop(instance_id, None)
         if old is not None:
             self.busy_changes += 1
             weight = self.weights.pop(instance_id)
+            relay = self.relays.pop(instance_id)
             self.total = self.total - old if self.loads else 0.0  # no rounding drift once all are idle
+            self.relay_total = self.relay_total - relay if self.loads else 0.0
             self.weight = self.weight - weight if self.loads else 0.0
 
     @property
@@ -234,6 +242,8 @@ class HostShare:
         other = HostShare(self.host, self.requests.copy())
         other.loads = dict(self.loads)
         other.total = self.total
+        other.relays = dict(self.relays)
+        other.relay_total = self.relay_total
         other.weights = dict(self.weights)
         other.weight = self.weight
         other.releases = list(self.releases)

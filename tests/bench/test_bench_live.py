@@ -52,6 +52,7 @@ def test_a_short_live_bench_accounts_for_every_request_exactly_once(stack, tmp_p
             [r["error"] for r in mine if r["error"]][:3]
         assert all(r["route"]["policy"] == policy and r["decode_id"].startswith("decode-") for r in mine)
         assert all(r["ttft_s"] > 0 and r["send_lag_s"] is not None for r in mine)
+        assert all(1 <= r["content_events"] <= r["output_tokens"] for r in mine)  # tokens relayed, some coalesced
 
     # every request sent is accounted for exactly once, on both sides of the wire
     sent = results["requests_sent"]

@@ -291,7 +291,8 @@ def test_sim_mode_writes_results_json_markdown_and_plots(tmp_path):
 
 LIVE_KEYS = {"system", "policy", "trace", "index", "request_id", "arrival_s", "prompt_tokens", "output_tokens",
              "slo_class", "prefill_id", "decode_id", "predicted_output_tokens", "ttft_s", "tpot_s", "e2e_s",
-             "slo_met", "error", "preemptions", "max_tokens", "rate", "sent_s", "send_lag_s", "status", "route"}
+             "slo_met", "error", "preemptions", "max_tokens", "rate", "sent_s", "send_lag_s", "content_events", "status",
+             "route"}
 
 
 def test_live_and_sim_in_one_command_share_the_slices_and_the_table(tmp_path):
@@ -308,6 +309,8 @@ def test_live_and_sim_in_one_command_share_the_slices_and_the_table(tmp_path):
         assert (live[k]["prompt_tokens"], live[k]["max_tokens"], live[k]["slo_class"], live[k]["arrival_s"]) == \
                (sim[k]["prompt_tokens"], sim[k]["max_tokens"], sim[k]["slo_class"], sim[k]["arrival_s"])
         assert live[k]["output_tokens"] == live[k]["max_tokens"] and live[k]["route"]["served_decode"]
+        # the stub streams a token an event: the events the client saw, as relayed (none simulated)
+        assert live[k]["content_events"] == live[k]["output_tokens"] and sim[k]["content_events"] is None
     assert list(res["tables"]["goodput"]) == ["round_robin", "least_loaded", "round_robin (sim)", "least_loaded (sim)"]
     assert res["resolved"]["topology"] == "1P2D"  # taken from the stub's /admin/state
     assert all(r["send_lag_p99_s"] is not None for r in res["runs"] if r["system"] == "live")

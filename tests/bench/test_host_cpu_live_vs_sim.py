@@ -14,7 +14,9 @@ spec = importlib.util.spec_from_file_location("host_cpu_live_vs_sim", ROOT / "be
 study = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(study)
 
-HOST = {"cores": 2.0, "engine_cores": 1.1, "token_cpu_s": 0.0002, "request_cpu_s": 0.01, "idle_cores": 0.2}
+HOST = {"cores": 2.0, "engine_cores": 1.1, "token_cpu_s": 0.0002, "request_cpu_s": 0.01, "idle_cores": 0.2,
+        "step_cpu_s": 0.0, "event_cpu_s": 0.0}
+BY_STEPS = {**HOST, "token_cpu_s": 0.0, "step_cpu_s": 0.0005, "event_cpu_s": 0.001}
 
 
 def test_vllms_processes_are_their_roles_steps_and_every_other_process_the_serving_path():
@@ -38,6 +40,23 @@ def test_a_run_is_compared_part_by_part_with_the_models_charges():
     assert row["serving_live_s"] == 2.5  # 4 s less 0.15 cores of rest over the 10 s window
     assert row["serving_model_s"] == 0.6 and row["serving_live_over_model"] == pytest.approx(4.17, abs=0.01)
     assert row["idle_live_cores"] == 0.16 and row["host_cores_live"] == 1.0
+    # a host priced per step and per message: the engines' steps over the run, the client's messages
+    live["host_cpu_s"]["engine_steps"] = 1000.0
+    records = [{"output_tokens": 100, "content_events": 12, "error": None}] * 20
+    row = study.compare(live, sim, {"prefill_steps": 0.0, "decode_steps": 0.01, "serving": 0.15}, records, BY_STEPS)
+    assert (row["engine_steps"], row["events"]) == (1000, 240)
+    assert row["serving_path_model_s"] == pytest.approx(0.5 + 0.24)
+    assert row["serving_model_s"] == pytest.approx(0.2 + 0.74, abs=0.005)
+
+
+def test_a_run_at_its_own_serving_cost_scales_every_serving_path_term_by_what_the_run_measured():
+    from disagg.core.cost_model import SharedHost, load_profile
+    cm = load_profile("cpu-tiny").model_copy(update={"shared_host": SharedHost(**BY_STEPS)})
+    row = {"serving_live_s": 2.2, "requests": 20, "serving_path_model_s": 1.0, "idle_live_cores": 0.3}
+    host = study.at_serving(cm, row).shared_host
+    # 2 s of serving path live past the requests' 0.2 s, for 1 s its terms charge: each doubled
+    assert (host.step_cpu_s, host.event_cpu_s, host.token_cpu_s) == pytest.approx((0.001, 0.002, 0.0))
+    assert host.request_cpu_s == 0.01 and host.idle_cores == 0.3
 
 
 def test_a_run_at_its_own_speed_scales_every_engines_step_times_and_nothing_else():

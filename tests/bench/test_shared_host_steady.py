@@ -26,6 +26,8 @@ def test_streams_on_a_shared_host_decode_at_its_stretch_for_every_engine_busy():
     cm = load_profile("cpu-tiny").model_copy(update={"shared_host": host})
     alone = steady.modelled_tpot_s(cm, {"d0": 4})["d0"]
     both = steady.modelled_tpot_s(cm, {"d0": 4, "d1": 4})
-    tokens = 2 * host.serving_cores(4, cm.engine.step_s(0, 4))
+    tokens, relay = host.serving_cores(4, cm.engine.step_s(0, 4))
+    assert relay == 0.0  # priced per token: nothing at a rate of its own
+    tokens *= 2
     assert both["d0"] == both["d1"] == pytest.approx(cm.engine.decode_token_s(4) * host.stretch(2, tokens))
     assert 1.8 * alone < both["d0"] < 2.2 * alone  # two engines on one core: about twice as long

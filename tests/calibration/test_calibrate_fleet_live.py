@@ -106,7 +106,10 @@ def test_the_running_fleet_is_calibrated_per_instance_and_the_router_prices_with
         host = cm.shared_host
         assert host is not None and host.cores == os.cpu_count() and 0 < host.engine_cores <= host.cores
         assert host.measured_at == next(iter(cm.instances.values())).measured_at
-        assert 0 < host.token_cpu_s < 0.02 and 0 <= host.request_cpu_s < 0.5
+        # the serving path priced per engine step and per message, at the app's own batching of streams
+        assert host.token_cpu_s == 0 and 0 < host.step_cpu_s + host.event_cpu_s < 0.02 and 0 <= host.request_cpu_s < 0.5
+        assert (host.stream_interval_s, host.stream_interval_max_s) == (
+            info["stream_interval_s"], info["stream_interval_max_s"]) and host.stream_interval_s > 0
         r = json.loads(report.read_text())
         # a prefill beside a decode, on two of the engines: the weight the host shares them by
         beside = r["shared_host"]["prefill_beside_decode"]
@@ -121,6 +124,11 @@ def test_the_running_fleet_is_calibrated_per_instance_and_the_router_prices_with
         assert r["shared_host"]["engine_processes"] == len(pids) >= len(before["instances"])
         for w in r["shared_host"]["windows"]:
             assert 0 < w["engine_cpu_above_idle_s"] < w["cpu_above_idle_s"], w
+            # the engines counted their steps (a step serves one token to each stream at most), the
+            # client its messages (a message carries one token at least)
+            assert w["engine_steps"] >= w["tokens"] / w["concurrency"], w
+            assert w["requests"] <= w["events"] <= w["tokens"], w
+        assert [w["window"] for w in r["shared_host"]["windows"]] == ["few streams", "streams", "short"]
         assert set(r["instances"]) == set(cm.instances)
         assert all(f["held_out"]["n"] >= 2 for f in r["instances"].values())
 

@@ -18,20 +18,24 @@ def test_engines_that_barely_slow_each_other_fit_about_a_core_each():
     assert fit_engine_cores({1: 1.0, 2: 1.0, 3: 1.02}, most=4.0) == pytest.approx(2.94, abs=0.011)  # 3 / 1.02
 
 
-def test_serving_cpu_per_token_and_per_request_are_recovered():
+def test_serving_cpu_per_step_per_message_and_per_request_are_recovered():
     c = EngineConstants(step_base_s=0.004, prefill_token_s=3e-5, decode_seq_s=2e-4, kv_capacity_tokens=65536)
-    token_s, request_s = 0.0012, 0.03
+    step_s, event_s, request_s = 0.0006, 0.0007, 0.004
     windows = []
-    for requests, tokens, batch in ((48, 128, 8), (120, 4, 4)):
-        engine = engine_seconds(c, requests, 32, tokens, batch)
-        windows.append(LoadWindow(requests * tokens * token_s + requests * request_s + engine, requests * tokens,
-                                  requests, engine))
-    assert fit_serving_cpu(windows) == pytest.approx((token_s, request_s), rel=1e-6)
+    # the host fit's three windows as the CPU profile served them: few streams (many steps, tokens 8 a
+    # message), many streams (8 tokens a step, 10 a message), short answers (requests dominate)
+    for requests, tokens, streams, steps, events in ((8, 128, 2, 1030, 140), (48, 128, 16, 800, 600),
+                                                     (120, 4, 8, 220, 240)):
+        engine = engine_seconds(c, requests, 32, tokens, streams / 2)
+        cpu = steps * step_s + events * event_s + requests * request_s + engine
+        windows.append(LoadWindow(cpu, steps, events, requests, engine))
+    assert fit_serving_cpu(windows) == pytest.approx((step_s, event_s, request_s), rel=1e-6)
 
 
 def test_a_window_below_its_engine_time_fits_no_negative_cpu():
-    token_s, request_s = fit_serving_cpu([LoadWindow(1.0, 1000, 10, 2.0), LoadWindow(0.5, 40, 100, 0.1)])
-    assert token_s >= 0 and request_s >= 0
+    fit = fit_serving_cpu([LoadWindow(1.0, 1000, 120, 10, 2.0), LoadWindow(0.5, 80, 40, 100, 0.1),
+                           LoadWindow(0.8, 300, 300, 24, 0.5)])
+    assert all(x >= 0 for x in fit)
 
 
 def test_engine_seconds_are_the_prefills_and_each_tokens_share_of_its_step():

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from disagg.core.cost_model import CostModel, CostModelError, SharedHost, load_profile
+from disagg.core.cost_model import CostModel, CostModelError, SharedHost, load_profile, stream_interval
 from disagg.core.engine_model import EngineModel, HostShare, Job, JobState, RequestRate
 from disagg.sim.runner import prepare_trace, simulate
 from disagg.sim.simulator import Topology
@@ -32,8 +32,8 @@ def _fixed_point(b: float, a: float) -> float:
 def test_serving_path_takes_its_share_of_every_core_the_engines_included():
     host = SharedHost(engine_cores=1, cores=2, token_cpu_s=0.001, request_cpu_s=0.01)
     # one engine streaming 10 tokens every 5 ms at full speed asks 2 cores of the serving path
-    serving = host.serving_cores(tokens=10, seconds=0.005)
-    assert serving == pytest.approx(2.0)
+    serving, relay = host.serving_cores(tokens=10, seconds=0.005)
+    assert serving == pytest.approx(2.0) and relay == 0.0
     # ... but the engine runs σ times slower, and so do its tokens: σ = 1 + (2 / σ) / 2
     sigma = host.stretch(1, serving)
     assert sigma == pytest.approx(1 + serving / sigma / 2) and sigma == pytest.approx(_fixed_point(1, 1))
@@ -59,11 +59,55 @@ def test_the_serving_path_streams_at_the_rate_the_stretched_engines_make_tokens(
     # eight streams on each of two engines sharing one core, 3 ms steps, 0.64 ms of CPU a token: at the
     # engines' unstretched rate the serving path would need 3.4 of the host's 2 cores
     host = SharedHost(engine_cores=1, cores=2, token_cpu_s=0.00064)
-    at_full_speed = 2 * host.serving_cores(tokens=8, seconds=0.003)
+    at_full_speed = 2 * host.serving_cores(tokens=8, seconds=0.003)[0]
     assert at_full_speed > 3.4
     sigma = host.stretch(2, at_full_speed)
     assert 2 * 8 / (0.003 * sigma) * 0.00064 / 2 == pytest.approx(sigma - 2)  # what it streams at σ fills the rest
     assert sigma < 2 + at_full_speed / 2 - 0.5  # not the 3.7 the unstretched rate priced
+
+
+STEPS_AND_MESSAGES = SharedHost(engine_cores=1, cores=2, step_cpu_s=0.0006, event_cpu_s=0.0007,
+                                stream_interval_s=0.02, stream_interval_max_s=0.08)
+
+
+def test_the_app_batches_a_streams_tokens_over_an_interval_that_grows_with_its_streams():
+    assert [stream_interval(n, 0.02, 0.08) for n in (1, 4, 8, 16, 64)] == pytest.approx([0.02, 0.02, 0.04, 0.08, 0.08])
+    assert stream_interval(8, 0.0, 0.08) == 0.0  # no batching: a message per token
+    assert stream_interval(8, 0.02, 0.0) == 0.02  # a maximum below the base is the base
+
+
+def test_the_serving_path_works_per_engine_step_and_per_message_not_per_token():
+    host = STEPS_AND_MESSAGES
+    # a lone stream of 4 ms steps: a step's output processing at the steps' rate; its tokens leave in
+    # one message per 20 ms interval, at the interval's rate, however fast the steps run
+    assert host.serving_cores(1, 0.004) == pytest.approx((0.0006 / 0.004, 0.0007 / 0.02))
+    assert host.serving_cores(1, 0.002) == pytest.approx((0.0006 / 0.002, 0.0007 / 0.02))
+    # sixteen streams: one step carries sixteen tokens for the same step's work, and the interval has
+    # grown to 80 ms, so the messages a second stay those of four streams at 20 ms
+    assert host.serving_cores(16, 0.004) == pytest.approx((0.0006 / 0.004, 16 * 0.0007 / 0.08))
+    assert host.serving_cores(16, 0.004)[1] == pytest.approx(host.serving_cores(4, 0.004)[1])
+    # steps slower than the interval: a message leaves every step, at the steps' rate
+    assert host.serving_cores(2, 0.05) == pytest.approx(((0.0006 + 2 * 0.0007) / 0.05, 0.0))
+    # the per-token price of older calibrations still holds where it is set
+    old = SharedHost(engine_cores=1, cores=2, token_cpu_s=0.0005)
+    assert old.serving_cores(16, 0.004) == pytest.approx((16 * 0.0005 / 0.004, 0.0))
+
+
+def test_batched_messages_slow_the_host_at_their_own_rate_and_the_steps_work_at_the_steps():
+    share = HostShare(STEPS_AND_MESSAGES)
+    load, relay = STEPS_AND_MESSAGES.serving_cores(4, 0.004)
+    # σ = 1 + relay / 2 + (load / 2) / σ: the messages' share is not divided by the stretch
+    assert share.step("a", tokens=4, seconds=0.004, now=0.0) == pytest.approx(_fixed_point(1 + relay / 2, load / 2))
+    assert share.relay_total == pytest.approx(relay) and share.total == pytest.approx(load)
+    share.step("b", tokens=4, seconds=0.004, now=0.0)
+    assert share.relay_total == pytest.approx(2 * relay)
+    copy = share.copy()
+    share.idle("a")
+    assert share.relay_total == pytest.approx(relay) and copy.relay_total == pytest.approx(2 * relay)
+    share.idle("b")
+    assert share.relay_total == 0.0 and share.total == 0.0
+    # without either term the lone engine runs at its own speed
+    assert HostShare(SharedHost(engine_cores=1, cores=2)).step("a", 4, 0.004, 0.0) == 1.0
 
 
 def test_a_host_whose_engines_have_more_cores_than_it_is_refused_by_field():
@@ -190,6 +234,16 @@ def test_simulated_serving_path_cpu_slows_the_fleet_further(trace):
     busy_path = _sim(trace, SharedHost(engine_cores=1, cores=2, token_cpu_s=0.0015, request_cpu_s=0.02))
     assert busy_path["tpot_p50_s"] > 1.1 * base["tpot_p50_s"]
     assert busy_path["ttft_p50_s"] > base["ttft_p50_s"]
+
+
+def test_simulated_serving_path_work_per_step_and_per_message_each_slow_the_fleet(trace):
+    base = _sim(trace, ONE_CORE)
+    steps = _sim(trace, ONE_CORE.model_copy(update={"step_cpu_s": 0.002}))
+    messages = _sim(trace, ONE_CORE.model_copy(update={"event_cpu_s": 0.003, "stream_interval_s": 0.02,
+                                                       "stream_interval_max_s": 0.08}))
+    for slowed in (steps, messages):
+        assert slowed["tpot_p50_s"] > 1.05 * base["tpot_p50_s"]
+        assert slowed["ttft_p50_s"] > base["ttft_p50_s"]
 
 
 def test_simulated_request_cpu_slows_the_fleet_at_the_rate_requests_come(trace):
@@ -509,13 +563,17 @@ def test_the_cores_shared_move_from_decodes_to_a_prefills_as_its_weight_joins():
 
 def test_several_measurements_of_one_host_pool_to_the_median_of_each_term():
     a = SharedHost(engine_cores=1.19, cores=2.0, token_cpu_s=182e-6, prefill_weight=1.05, mixed_cores=1.09,
+                   step_cpu_s=400e-6, event_cpu_s=900e-6, stream_interval_s=0.02, stream_interval_max_s=0.08,
                    measured_at="2026-12-06T09:18:24+00:00")
     b = SharedHost(engine_cores=0.97, cores=2.0, token_cpu_s=573e-6, prefill_weight=1.89, mixed_cores=0.94,
+                   step_cpu_s=600e-6, event_cpu_s=700e-6, stream_interval_s=0.02, stream_interval_max_s=0.08,
                    measured_at="2026-12-06T09:18:46+00:00")
     c = SharedHost(engine_cores=1.05, cores=2.0, token_cpu_s=300e-6, prefill_weight=1.5)  # no mixed_cores
     two = SharedHost.pooled([a, b])
     assert two.engine_cores == pytest.approx(1.08) and two.prefill_weight == pytest.approx(1.47)
     assert two.token_cpu_s == pytest.approx(377.5e-6) and two.mixed_cores == pytest.approx(1.015)
+    assert (two.step_cpu_s, two.event_cpu_s) == pytest.approx((500e-6, 800e-6))
+    assert (two.stream_interval_s, two.stream_interval_max_s) == (0.02, 0.08)  # the app's, as measured
     assert two.measured_at == b.measured_at  # the latest
     three = SharedHost.pooled([a, b, c])  # the median, not the mean: one odd calibration moves nothing
     assert three.engine_cores == 1.05 and three.prefill_weight == 1.5 and three.token_cpu_s == 300e-6

@@ -536,10 +536,11 @@ class _HostLoad:
                     batches.append((iid, cm.for_instance(iid), b))
         self.k = len(self.busy)
         self.weight = sum(self.weights.values())
-        # the serving path streams each decoding engine's batch once per step, and does each request's
-        # own work at the rate they come (`HostShare`)
-        self.tokens = tokens = sum(host.serving_cores(b, ec.step_s(0, b)) for _, ec, b in batches)
-        self.requests = requests = host.request_cores(requests_per_s)
+        # the serving path works for each decoding engine's steps and relays its streams' messages
+        # (`SharedHost.serving_cores`), and does each request's own work at the rate they come (`HostShare`)
+        serving = [host.serving_cores(b, ec.step_s(0, b)) for _, ec, b in batches]
+        self.tokens = tokens = sum(load for load, _ in serving)
+        self.requests = requests = host.request_cores(requests_per_s) + sum(relay for _, relay in serving)
         self.sigma = host.stretch(self.k, tokens, requests, 1.0, self.weight)
         self.sigma_up = host.stretch(self.k + 1, tokens, requests, 1.0, self.weight + 1.0)
         self.running = [(iid, ec.decode_token_s(b) * self.sigma, b) for iid, ec, b in batches]
