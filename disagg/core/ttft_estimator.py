@@ -424,8 +424,9 @@ def peer_share(host: SharedHost, peers: Iterable[tuple[EngineConstants, Instance
     requests in flight is busy until its snapshot's work drains (`drain_s`, stretched as a step
     planned beside them all and the estimated instance would be; new arrivals are not foreseen, as
     for the estimated instance itself), and its decoding batch streams a token per sequence every
-    decode step (what the serving path's CPU follows). `requests`: the rate requests arrive at the
-    host (its serving path's per-request CPU), as the caller has seen it; none if omitted."""
+    decode step (the serving path's CPU follows its steps and the messages they make). `requests`:
+    the rate requests arrive at the host (its serving path's per-request CPU), as the caller has
+    seen it; none if omitted."""
     return _share_of(host, [(c, snap, drain_s(c, snap)) for c, snap in peers], requests, now)
 
 

@@ -291,8 +291,8 @@ def test_sim_mode_writes_results_json_markdown_and_plots(tmp_path):
 
 LIVE_KEYS = {"system", "policy", "trace", "index", "request_id", "arrival_s", "prompt_tokens", "output_tokens",
              "slo_class", "prefill_id", "decode_id", "predicted_output_tokens", "ttft_s", "tpot_s", "e2e_s",
-             "slo_met", "error", "preemptions", "max_tokens", "rate", "sent_s", "send_lag_s", "content_events", "status",
-             "route"}
+             "slo_met", "error", "preemptions", "max_tokens", "rate", "sent_s", "send_lag_s", "content_events",
+             "status", "route"}
 
 
 def test_live_and_sim_in_one_command_share_the_slices_and_the_table(tmp_path):

@@ -88,6 +88,8 @@ def test_the_serving_path_works_per_engine_step_and_per_message_not_per_token():
     assert host.serving_cores(16, 0.004)[1] == pytest.approx(host.serving_cores(4, 0.004)[1])
     # steps slower than the interval: a message leaves every step, at the steps' rate
     assert host.serving_cores(2, 0.05) == pytest.approx(((0.0006 + 2 * 0.0007) / 0.05, 0.0))
+    # a step with no output (a prompt's chunk before its last) gives the serving path nothing
+    assert host.serving_cores(0, 0.004) == (0.0, 0.0)
     # the per-token price of older calibrations still holds where it is set
     old = SharedHost(engine_cores=1, cores=2, token_cpu_s=0.0005)
     assert old.serving_cores(16, 0.004) == pytest.approx((16 * 0.0005 / 0.004, 0.0))
