@@ -87,7 +87,7 @@ class ReferenceSloGoodput(SloGoodput):
                 tpot = tau_after + max(0.0, pending - arrive) / out
                 after = _miss(tau_after + pending / out, tpot_others, spread) if b else 0.0
                 meet = (1.0 - _miss(ttft, ttft_t, spread)) * (1.0 - _miss(tpot, tpot_t, spread)) * ok_kv
-                cost = 1.0 - meet + b * (after - before) + w * ttft / ttft_t + stall + harm
+                cost = 1.0 - meet + b * (after - before) + (w * ttft / ttft_t + stall + harm)  # as summed there
                 if best is None or cost < best[0]:
                     best = (cost, p, d, q, work, xfer, first, tpot, press)
             if prm.allow_colocated:
