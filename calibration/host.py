@@ -17,9 +17,9 @@ serving path takes beside them (`CostModel.shared_host`, the processor-sharing m
    one ran before). Each loaded window's CPU above it, less the engines' own above theirs, is split
    into CPU per engine step (the engines count their steps: `/admin/state`), per message of tokens
    the client received and per request (`fit_serving_cpu`). Per streamed token it is not a
-   constant: measured on the CPU profile, it fell fivefold from one stream to sixteen, as the
-   engine replicas batch more of a stream's tokens into a message and each step carries more
-   tokens; per step and per message it held. The engines' CPU is read from their
+   constant: on the CPU profile it fell two- to fourfold from one stream to sixteen, as each step
+   carries more tokens and the engine replicas batch a stream's tokens into messages; per step and
+   per message it held (benchmarks/serving_cpu_terms.py). The engines' CPU is read from their
    processes (the EngineCore and its workers, as `/admin/state` names them): what their steps
    took, measured. Where no engine names its processes (stand-ins) it is what the steps of that
    load take by the fitted constants, a small difference of two large numbers on a saturated

@@ -39,8 +39,8 @@ the busy engines step — the stretched rate, hence the fixed point; event_cpu_s
 the app batches a stream's tokens over a longer interval (`stream_interval`), at that interval's
 rate (relay_cores); and idle_cores whatever is served (the stack's background: Ray, metrics).
 Profiles calibrated before steps and messages were counted price token_cpu_s per streamed token
-at the steps' rate instead: on the CPU profile that cost per token fell fivefold from one stream
-to sixteen, while per step and per message it held (docs/results.md).
+at the steps' rate instead: on the CPU profile that cost per token fell two- to fourfold from one
+stream to sixteen, while per step and per message it held (docs/results.md).
 The engines time-share the cores they are pinned to; the serving path's threads are not pinned, so
 the operating system spreads them over every core, the engines' included, and each busy engine
 loses their share of its core on top (they do not wait for the cores the engines leave idle: the
@@ -254,7 +254,8 @@ class SharedHost(_Strict):
         return cls(engine_cores=median(lambda h: h.engine_cores), cores=hosts[0].cores,
                    token_cpu_s=median(lambda h: h.token_cpu_s), request_cpu_s=median(lambda h: h.request_cpu_s),
                    step_cpu_s=median(lambda h: h.step_cpu_s), event_cpu_s=median(lambda h: h.event_cpu_s),
-                   stream_interval_s=hosts[-1].stream_interval_s, stream_interval_max_s=hosts[-1].stream_interval_max_s,
+                   stream_interval_s=hosts[-1].stream_interval_s,
+                   stream_interval_max_s=hosts[-1].stream_interval_max_s,
                    idle_cores=median(lambda h: h.idle_cores), prefill_weight=median(lambda h: h.prefill_weight),
                    mixed_cores=median(lambda h: h.mixed_cores or h.engine_cores) if mixed else None,
                    measured_at=max(stamps) if stamps else None)
@@ -264,9 +265,9 @@ class SharedHost(_Strict):
         stream a token to `tokens` streams: (what follows the steps — each step's output processing,
         each token, and each message where the app sends one every step — so it slows as the steps
         are stretched; what does not — the messages where the app batches a stream's tokens over an
-        interval longer than a step, a rate of their own). Measured on the CPU profile: a lone
-        stream's steps cost its engine replica 620 µs each, and its tokens left in messages of 8. A
-        step with no output (a prompt's chunk before its last) gives the replica nothing to process."""
+        interval longer than a step, a rate of their own). On the CPU profile a lone stream's tokens
+        left in messages of 3–4, and its steps cost about 1 ms of serving CPU each. A step with no
+        output (a prompt's chunk before its last) gives the replica nothing to process."""
         if tokens <= 0:
             return 0.0, 0.0
         per_step = self.step_cpu_s + tokens * self.token_cpu_s
