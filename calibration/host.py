@@ -317,12 +317,14 @@ async def measure_contention(engines: Sequence[str], post: Callable[[dict], Awai
 
 
 async def measure_prefill_weight(decoder: str, prefiller: str, post: Callable[[dict], Awaitable[dict]],
-                                 prompt: int, rounds: int, seed: int = 0,
-                                 batch: int = CONTENTION_BATCH) -> tuple[float, dict]:
+                                 prompt: int, rounds: int, seed: int = 0, batch: int = CONTENTION_BATCH,
+                                 besides: Sequence[str] = ()) -> tuple[float, dict]:
     """(`prefill_weight`, what was measured): each round times a decode probe of `batch` streams
     on `decoder` and a run of lone prefills of `prompt` tokens on `prefiller`, each alone, then
     each with the other running from just before it to past its end (the overlapping one runs
-    longer), paired within the round so a slow spell lands on both."""
+    longer), paired within the round so a slow spell lands on both. The engines `besides` decode
+    in the background of both overlapping probes: the weight is then the one a prefill claims
+    among as many busy engines as the host has, not beside one decode alone."""
     n = 0
 
     async def probe(body: dict) -> float:
@@ -335,6 +337,10 @@ async def measure_prefill_weight(decoder: str, prefiller: str, post: Callable[[d
 
     def prefill(repeats: int) -> Awaitable[float]:
         return probe({"instance": prefiller, "kind": "prefill", "size": prompt, "repeats": repeats})
+
+    def with_the_others(background: Awaitable[float]) -> Awaitable:
+        return asyncio.gather(background, *(probe({"instance": iid, "kind": "decode", "size": batch,
+                                                   "tokens": 3 * CONTENTION_TOKENS}) for iid in besides))
 
     async def beside(background: Awaitable[float], timed: Callable[[], Awaitable[float]]) -> float:
         task = asyncio.ensure_future(background)
@@ -350,11 +356,13 @@ async def measure_prefill_weight(decoder: str, prefiller: str, post: Callable[[d
     for _ in range(rounds):
         alone_d, alone_p = await decode(CONTENTION_TOKENS), await prefill(3)
         repeats = min(16, max(3, math.ceil(3 * CONTENTION_TOKENS * alone_d / max(alone_p, 1e-6))))
-        decode_s.append(await beside(prefill(repeats), lambda: decode(CONTENTION_TOKENS)) / alone_d)
-        prefill_s.append(await beside(decode(3 * CONTENTION_TOKENS), lambda: prefill(3)) / alone_p)
+        decode_s.append(await beside(with_the_others(prefill(repeats)), lambda: decode(CONTENTION_TOKENS)) / alone_d)
+        prefill_s.append(await beside(with_the_others(decode(3 * CONTENTION_TOKENS)), lambda: prefill(3)) / alone_p)
     weight = fit_prefill_weight(decode_s, prefill_s)
-    shared = round(statistics.median(1 / d + 1 / p for d, p in zip(decode_s, prefill_s)), 2)
-    return weight, {"prompt_tokens": prompt, "batch": batch, "cores_shared": shared,
+    # every decode of the mix is taken to run at the timed one's stretch
+    decodes = 1 + len(besides)
+    shared = round(statistics.median(decodes / d + 1 / p for d, p in zip(decode_s, prefill_s)), 2)
+    return weight, {"prompt_tokens": prompt, "batch": batch, "cores_shared": shared, "besides": list(besides),
                     "decode_stretch": [round(x, 3) for x in decode_s],
                     "prefill_stretch": [round(x, 3) for x in prefill_s], "prefill_weight": weight}
 
@@ -388,7 +396,8 @@ async def measure_host(url: str, model: str, instances: dict[str, str], engine: 
         prefiller = min(instances, key=lambda iid: (instances[iid] != "prefill", iid))
         decoder = next(iid for iid in sorted(ids, key=lambda iid: (iid not in instances, iid)) if iid != prefiller)
         weight, weight_report = await measure_prefill_weight(
-            decoder, prefiller, post, min(WEIGHT_PROMPT, engine.max_batched_tokens), plan.contention_rounds, seed)
+            decoder, prefiller, post, min(WEIGHT_PROMPT, engine.max_batched_tokens), plan.contention_rounds, seed,
+            besides=[iid for iid in ids if iid not in (decoder, prefiller)])
         mixed = min(max(weight_report["cores_shared"], 0.05), cores)
         log(f"prefill beside decode: decode stretched {weight_report['decode_stretch']}, prefill "
             f"{weight_report['prefill_stretch']} → prefill_weight {weight:g}, mixed_cores {mixed:g}")

@@ -298,3 +298,15 @@ def test_the_prefill_weight_probes_overlap_and_recover_the_weight_the_host_share
     assert all(b["size"] == 1024 for b in bodies if b["kind"] == "prefill")
     # the background prefills outlast the decode probe: about 3× its time alone, within the probe's limit
     assert max(b["repeats"] for b in bodies if b["kind"] == "prefill") == min(16, 3 * CONTENTION_TOKENS * 2 // 20 + 1)
+    assert report["besides"] == []
+
+    # with the host's other engines decoding beside both probes: the weight among as many busy engines
+    # as the host has (a prefill and three decodes on one core), and the core the four share
+    bodies.clear()
+    weight, report = asyncio.run(measure_prefill_weight("decode-1", "prefill-0", post, 1024, rounds=2,
+                                                        besides=["decode-2", "prefill-1"]))
+    assert weight == pytest.approx(1.8)
+    assert report["decode_stretch"] == pytest.approx([4.8, 4.8], abs=1e-3)  # (1.8 + 3) / 1
+    assert report["prefill_stretch"] == pytest.approx([4.8 / 1.8] * 2, abs=1e-3)
+    assert report["cores_shared"] == pytest.approx(1.0) and report["besides"] == ["decode-2", "prefill-1"]
+    assert {b["instance"] for b in bodies if b["kind"] == "decode"} == {"decode-1", "decode-2", "prefill-1"}
