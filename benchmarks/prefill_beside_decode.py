@@ -7,13 +7,15 @@ Usage (the app running on this machine, e.g. `make run`, and nothing else loadin
 
 For each prompt length and decode batch it runs what `disagg calibrate --live --host` runs for
 `SharedHost.prefill_weight` (`calibration.host.measure_prefill_weight`: a decode probe on a decode
-engine and lone prefills on the prefill engine, alone and overlapping, paired in each round) and
+engine and lone prefills on the prefill engine, alone and overlapping, paired in each round; the
+host fit has the host's other engines decode beside them, `--mix on`) and
 prints each one's stretch, the shares they got (one over the stretch: they sum to about the core
 they share when the sharing is uneven rather than lossy) and the weight, medians over rounds.
 
-`--mix on`: the host's other engines decode beside both overlapping probes, as the host fit
-measures the weight (among as many busy engines as the host has); `--mix both` measures each row
-beside one decode and in the mix, back to back, so the two compare within one run.
+`--mix on`: the host's other engines decode beside both overlapping probes, as the host fit measures
+the weight (among as many busy engines as the host has); the default, `off`, is a prefill beside one
+decode, as the fit measured it before; `--mix both` measures each row both ways, back to back, so
+the two compare within one run. `--same-engine` takes no mix.
 
 `--same-engine`: the prefills and the decode probe on one decode engine instead, so that they share
 its steps (vLLM batches the prompt's chunk with the running decodes), not the host's cores; beside
@@ -83,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1 or min(args.prompts) < 1 or min(args.batches) < 1:
         ap.error("--rounds, --prompts and --batches must be >= 1")
+    if args.same_engine and args.mix != "off":
+        ap.error("--same-engine measures one engine's steps: it takes no --mix")
     rows = asyncio.run(run(args.url.rstrip("/"), args.prompts, args.batches, args.rounds, args.same_engine, args.mix))
     if args.json:
         write_result(args.json, {"rows": rows, "rounds": args.rounds, "same_engine": args.same_engine,
