@@ -248,16 +248,21 @@ def main() -> int:
     traces = tuple(str(resolve_trace(t)) for t in args.trace)  # a name in the data directory, or a file
     rates = [float(r) for r in args.rates.split(",")]
     refit = app_refit(args.url, Path(args.refit), log) if args.refit else None
-    rows = []
+    rows, stopped = [], None
     for rate in rates:
         live_dir, sim_dir = out / f"rate-{rate:g}", out / "sim" / f"rate-{rate:g}"
         if refit is not None and before_run(live_dir, refit, log) is not None:
             raise BenchError(f"{live_dir} holds a finished run without its idle window: remove it to measure again")
         idle = idle_rates(args.idle_s)
         log(f"{rate:g} req/s: idle {', '.join(f'{p} {c:.3f}' for p, c in idle.items())} cores")
-        run_bench(BenchConfig(out=live_dir, traces=traces, policies=policies, url=args.url, rate=rate,
-                              max_requests=args.max_requests, seed=args.seed, realtime=args.realtime),
-                  log=log, meter=functools.partial(cpu_by_part, args.url))
+        try:
+            run_bench(BenchConfig(out=live_dir, traces=traces, policies=policies, url=args.url, rate=rate,
+                                  max_requests=args.max_requests, seed=args.seed, realtime=args.realtime),
+                      log=log, meter=functools.partial(cpu_by_part, args.url))
+        except BenchError as e:  # e.g. the constants check refused the fit: the rates measured stand
+            log(f"{rate:g} req/s not measured: {e}")
+            stopped = f"{rate:g} req/s: {e}"
+            break
         slices = {"traces": list(traces), "policies": list(policies), "max_requests": args.max_requests,
                   "seed": args.seed}
         cm = load_profile(live_dir / COST_MODEL_FILE)
@@ -275,8 +280,8 @@ def main() -> int:
                              cm.shared_host.model_dump())}
             log(json.dumps(row))
             rows.append(row)
-    write_result(args.json or str(out / "host_cpu.json"), {"settings": vars(args), "rows": rows})
-    return 0
+    write_result(args.json or str(out / "host_cpu.json"), {"settings": vars(args), "rows": rows, "stopped": stopped})
+    return 0 if stopped is None else 1
 
 
 if __name__ == "__main__":
