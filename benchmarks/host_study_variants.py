@@ -49,13 +49,8 @@ def leftover_stretch(self: SharedHost, busy: int, token_cores: float = 0.0, requ
     """`SharedHost.stretch` with the engines sharing what the serving path leaves of their cores."""
     if busy <= 0:
         return 1.0
-    if weights is None:
-        sharing = max(1.0, busy / self.engine_cores)
-    else:
-        cores = self._cores_shared(busy, weights)
-        sharing = 1.0 if busy <= cores else max(1.0, weights / (own * cores))
     free = 1.0 - (request_cores + self.idle_cores) / self.cores
-    return (sharing + token_cores / self.cores) / max(free, LEAST_FREE)
+    return (self._sharing(busy, own, weights) + token_cores / self.cores) / max(free, LEAST_FREE)
 
 
 @contextlib.contextmanager

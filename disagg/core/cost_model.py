@@ -209,14 +209,17 @@ class SharedHost(_Strict):
         at 12.7 ms a token where they streamed at 8.1 (docs/results.md)."""
         if busy <= 0:
             return 1.0
-        if weights is None:
-            sharing = max(1.0, busy / self.engine_cores)
-        else:
-            cores = self._cores_shared(busy, weights)
-            sharing = 1.0 if busy <= cores else max(1.0, weights / (own * cores))
-        b = sharing + (request_cores + self.idle_cores) / self.cores
+        b = self._sharing(busy, own, weights) + (request_cores + self.idle_cores) / self.cores
         a = token_cores / self.cores
         return b if a == 0.0 else 0.5 * (b + math.sqrt(b * b + 4.0 * a))
+
+    def _sharing(self, busy: int, own: float, weights: float | None) -> float:
+        """How many times slower than alone the engines' own sharing of their cores runs a step of
+        weight `own` (`stretch`, without the serving path and the background)."""
+        if weights is None:
+            return max(1.0, busy / self.engine_cores)
+        cores = self._cores_shared(busy, weights)
+        return 1.0 if busy <= cores else max(1.0, weights / (own * cores))
 
     def _cores_shared(self, busy: int, weights: float) -> float:
         """The engines' cores with `busy` steps of total weight `weights` on them (`stretch`)."""
