@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from memory import cpu_by  # noqa: E402  (benchmarks/memory.py)
 
+from calibration.host import engine_steps  # noqa: E402
 from disagg.bench.harness import COST_MODEL_FILE, RECORDS_FILE, BenchConfig, BenchError, run_bench  # noqa: E402
 from disagg.bench.records import LIVE  # noqa: E402
 from disagg.bench.refit import app_refit, before_run  # noqa: E402
@@ -87,7 +88,7 @@ def cpu_by_part(url: str | None = None) -> dict[str, float]:
     out["serving"] += time.process_time()  # the load generator shares the cores too
     if url is not None:
         with urllib.request.urlopen(f"{url}/admin/state", timeout=30) as r:
-            out["engine_steps"] = float(sum(i.get("steps") or 0 for i in json.load(r)["instances"].values()))
+            out["engine_steps"] = float(engine_steps(json.load(r)["instances"]))
     return out
 
 

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from calibration.fit import nnls  # noqa: E402
-from calibration.host import _cpu_of, _load, engine_processes_running  # noqa: E402
+from calibration.host import STEPS_SETTLE_S, _cpu_of, _load, engine_processes_running, engine_steps  # noqa: E402
 from calibration.live import Fleet  # noqa: E402
 from disagg.bench.script import log, write_result  # noqa: E402
 
@@ -42,7 +42,6 @@ TOKENS = 128
 STREAMS = (1, 2, 4, 8, 16)
 REQUESTS_PER_STREAM = 3
 SHORT = (120, 8, 4)  # requests, at once, tokens
-STEPS_SETTLE_S = 0.1
 
 
 def state(url: str) -> dict:
@@ -51,7 +50,7 @@ def state(url: str) -> dict:
 
 
 def steps_so_far(url: str) -> int:
-    return sum(int(i.get("steps") or 0) for i in state(url)["instances"].values())
+    return engine_steps(state(url)["instances"])
 
 
 async def window(url: str, model: str, pids: tuple[int, ...], idle: tuple[float, float], requests: int,

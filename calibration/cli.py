@@ -175,7 +175,7 @@ def _routed_with(url: str, model: str, policy: str):
 async def _measure_host(url: str, fleet, cm, seed: int, quick: bool, idle_cores: float | None):
     """`--host`: the shared host's constants (`calibration.host`), with the constants just fitted;
     `idle_cores`: the app at rest as `--settle-s` measured it (None: measured there)."""
-    from calibration.host import HostPlan, measure_host
+    from calibration.host import HostPlan, engine_steps, measure_host
     from disagg.app_client import AppError, AsyncAppClient
     from calibration.live import LiveCalibrationError, PROBE_TIMEOUT_S
 
@@ -192,7 +192,7 @@ async def _measure_host(url: str, fleet, cm, seed: int, quick: bool, idle_cores:
                 instances = (await app.state())["instances"]
             except AppError as e:
                 raise LiveCalibrationError(f"reading the engines' steps: {e}") from None
-            return sum(int(i.get("steps") or 0) for iid, i in instances.items() if iid in hosted)
+            return engine_steps(instances, hosted)
 
         hosted = set(fleet.engines or fleet.instances)
         return await measure_host(url, fleet.model, fleet.instances, cm.engine, post,

@@ -37,7 +37,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Collection, Sequence
 
 import numpy as np
 
@@ -201,6 +201,12 @@ def fit_prefill_weight(decode_stretch: list[float], prefill_stretch: list[float]
     if not ratios:
         raise HostCalibrationError("no round of the prefill-beside-decode measurement finished")
     return round(statistics.median(ratios), 2)
+
+
+def engine_steps(instances: dict[str, dict], ids: Collection[str] | None = None) -> int:
+    """The steps with outputs the engines of `/admin/state`'s `instances` (those of `ids`, if given)
+    have made so far."""
+    return sum(int(i.get("steps") or 0) for iid, i in instances.items() if ids is None or iid in ids)
 
 
 @dataclass(frozen=True, slots=True)

@@ -310,3 +310,11 @@ def test_the_prefill_weight_probes_overlap_and_recover_the_weight_the_host_share
     assert report["prefill_stretch"] == pytest.approx([4.8 / 1.8] * 2, abs=1e-3)
     assert report["cores_shared"] == pytest.approx(1.0) and report["besides"] == ["decode-2", "prefill-1"]
     assert {b["instance"] for b in bodies if b["kind"] == "decode"} == {"decode-1", "decode-2", "prefill-1"}
+
+
+def test_the_engines_steps_are_summed_from_admin_state_for_the_engines_asked():
+    from calibration.host import engine_steps
+
+    instances = {"prefill-0": {"steps": 40}, "decode-0": {"steps": 2}, "decode-1": {}, "other-0": {"steps": 7}}
+    assert engine_steps(instances) == 49  # an engine that reports none counts none
+    assert engine_steps(instances, {"prefill-0", "decode-1"}) == 40
