@@ -13,7 +13,10 @@ and once with the variant, and each of TTFT and TPOT p50 and p90 is compared wit
 - `leftover-share`: the engines share what the serving path and the background leave of their
   cores, σ = (sharing + a) / (1 − c), instead of σ = sharing + c + a / σ (c the share of every core
   taken at rates of their own, a the steps' work's share at full speed). A form tried and not kept
-  (docs/results.md).
+  (docs/results.md);
+- `decode-context`: every engine's decode steps priced for the context their sequences hold,
+  `decode_context_s` = `--decode-context-s` (`benchmarks/decode_context.py` measures it), on top
+  of the fitted step base and per-sequence cost (the fits' decode probes hold 16 tokens of context).
 Prints each run's four errors under both, and per form: the cells within 15%, the median error,
 each statistic's median error, and the median of live over simulated TTFT per request by prompt
 length.
@@ -54,9 +57,14 @@ def leftover_stretch(self: SharedHost, busy: int, token_cores: float = 0.0, requ
 
 
 @contextlib.contextmanager
-def variant(name: str, cm: CostModel):
+def variant(name: str, cm: CostModel, decode_context_s: float = 0.0):
     """The cost model to simulate with under `name` ("as fitted": `cm` itself)."""
-    if name == "even-weight":
+    if name == "decode-context":
+        def with_context(e):
+            return e.model_copy(update={"decode_context_s": decode_context_s})
+        yield cm.model_copy(update={"engine": with_context(cm.engine),
+                                    "instances": {i: with_context(e) for i, e in cm.instances.items()}})
+    elif name == "even-weight":
         yield cm.model_copy(update={"shared_host": cm.shared_host.model_copy(
             update={"prefill_weight": 1.0, "mixed_cores": None})})
     elif name == "leftover-share":
@@ -93,10 +101,14 @@ def summary(rows: list[dict], form: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("studies", nargs="+", help="folders of host_cpu_live_vs_sim.py measurements")
-    ap.add_argument("--variant", choices=("even-weight", "leftover-share"), required=True)
+    ap.add_argument("--variant", choices=("even-weight", "leftover-share", "decode-context"), required=True)
+    ap.add_argument("--decode-context-s", type=float, default=0.0,
+                    help="`decode-context`: seconds per step per token of context a decoding sequence holds")
     ap.add_argument("--work", default=None, help="where the simulations go (default: each study's own folder)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
+    if args.variant == "decode-context" and args.decode_context_s <= 0:
+        ap.error("--variant decode-context needs --decode-context-s > 0")
     rows = []
     for out in map(Path, args.studies):
         measured = json.loads((out / "host_cpu.json").read_text())
@@ -108,10 +120,11 @@ def main() -> int:
             live = mine(live_dir, LIVE, policy, trace)
             got = {"study": out.name, "rate": rate, "policy": policy, "trace": trace, "live": latency(live)}
             for form in ("as fitted", args.variant):
-                work = Path(args.work or out / "variants") / form / f"rate-{rate:g}" / f"{policy}-{trace}"
+                work = (Path(args.work) / out.name if args.work else out / "variants") / form / f"rate-{rate:g}" \
+                    / f"{policy}-{trace}"
                 slices = {"traces": [paths[trace]], "policies": [policy],
                           "max_requests": measured["settings"]["max_requests"], "seed": measured["settings"]["seed"]}
-                with variant(form, cm) as priced:
+                with variant(form, cm, args.decode_context_s) as priced:
                     simulate_live_run(live_dir, slices, priced, work, False, lambda _m: None)
                 simulated = mine(work, "sim", policy, trace)
                 sim = latency(simulated)
@@ -122,7 +135,7 @@ def main() -> int:
                 f"{form} " + " ".join(f"{got[form]['errors'][k]:+.0%}" for k in STATS)
                 for form in ("as fitted", args.variant)))
             rows.append(got)
-    result = {"variant": args.variant, "rows": rows,
+    result = {"variant": args.variant, "decode_context_s": args.decode_context_s, "rows": rows,
               "summary": {form: summary(rows, form) for form in ("as fitted", args.variant)}}
     print(json.dumps(result["summary"], indent=1))
     write_result(args.json, result)

@@ -6,7 +6,10 @@ Inputs are what `measure` records on live engines:
   per-prefill overhead, by non-negative least squares on relative errors (the estimator is judged
   by its relative error, and the ladder's short prompts would weigh nothing in absolute terms);
 - decode step time (median gap between streamed tokens) at several concurrencies → the step base
-  and the per-sequence cost, i.e. τ_dec(b) = base + b·τ_seq;
+  and the per-sequence cost, i.e. τ_dec(b) = base + b·τ_seq; and at one concurrency with long
+  prompts → the cost per token of context the sequences hold (`decode_context_s`: the median of
+  those steps' excess over the short probes' at that concurrency, per token of context they held
+  beyond theirs; 0 without such probes or when they ran no slower);
 - KV hand-off time over prompt lengths (decode first token with remote KV minus one decode step)
   → transfer latency and bandwidth;
 - the engine's KV capacity in tokens.
@@ -46,6 +49,7 @@ from disagg.stats import percentile
 
 REFERENCE_PROMPT = 1024
 ATTENTION_MATERIAL = 0.02  # the attention term's least share of the longest prefill, to be kept
+DECODE_CONTEXT_MAX_S = 1e-5  # the cost model's bound on `decode_context_s`
 SLO_HEADROOM = 2.0
 LOOSE_FACTOR = 3.0
 # An instance this far from the median instance's speed is priced by its own fit (`fit_fleet`).
@@ -63,6 +67,9 @@ class CalibrationError(ValueError):
 class Sample:
     x: float  # prompt tokens, concurrency or transferred tokens
     seconds: float
+    # decode: prompt tokens each stream held beyond a short probe's (0: a short probe, whose few
+    # dozen tokens of context the step base and per-sequence cost include)
+    extra_context: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,8 +208,10 @@ class FitReport:
 def fit_engine(prefill_samples: list[Sample], decode_samples: list[Sample], kv_capacity_tokens: int,
                block_size: int, max_num_seqs: int, max_batched_tokens: int,
                measured_at: str | None = None) -> tuple[EngineConstants, PrefillFit, LinearFit]:
-    """One engine's step model from its lone prefills and its decode steps; refuses a fit that
-    cannot describe hardware (see the module docstring)."""
+    """One engine's step model from its lone prefills and its decode steps (short probes, and any
+    at long context); refuses a fit that cannot describe hardware (see the module docstring)."""
+    long_context = [s for s in decode_samples if s.extra_context]
+    decode_samples = [s for s in decode_samples if not s.extra_context]
     decode = fit_linear(decode_samples, "decode step time vs concurrency")
     step_base = max(decode.intercept, 1e-6)
     prefill = fit_prefill(prefill_samples, step_base, max_batched_tokens)
@@ -229,6 +238,7 @@ def fit_engine(prefill_samples: list[Sample], decode_samples: list[Sample], kv_c
         # what a lone prefill costs beyond one step (≥ 0 by the fit)
         prefill_overhead_s=min(max(prefill.intercept - step_base, 0.0), 1.0),
         decode_seq_s=max(decode.slope, 0.0),
+        decode_context_s=fit_decode_context(long_context, decode_samples, decode),
         kv_capacity_tokens=kv_capacity_tokens,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
@@ -236,6 +246,23 @@ def fit_engine(prefill_samples: list[Sample], decode_samples: list[Sample], kv_c
         measured_at=measured_at,
     )
     return engine, prefill, decode
+
+
+def fit_decode_context(samples: list[Sample], short: list[Sample], decode: LinearFit) -> float:
+    """Seconds per step per token of context a decoding sequence holds, from decode steps at long
+    context: the median of each step's excess over the short probes' median at its concurrency (the
+    line's value where none was measured there) per token of context its streams held beyond
+    theirs. Medians: a handful of probes on a shared host, one of which may catch a slow spell, and
+    the line's error at one concurrency would otherwise land whole on the term. 0 without such
+    steps, or when they ran no slower: a term the data do not show."""
+    if not samples:
+        return 0.0
+    at: dict[float, list[float]] = {}
+    for s in short:
+        at.setdefault(s.x, []).append(s.seconds)
+    reference = {x: float(np.median(v)) for x, v in at.items()}
+    excess = [(s.seconds - reference.get(s.x, decode.predict(s.x))) / (s.x * s.extra_context) for s in samples]
+    return min(max(float(np.median(excess)), 0.0), DECODE_CONTEXT_MAX_S)
 
 
 def fit_transfer(samples: list[Sample]) -> tuple[TransferConstants, LinearFit]:
@@ -270,7 +297,8 @@ def fit_cost_model(m: Measurements, name: str, serving_overhead_s: float = 0.0, 
                                          m.max_batched_tokens)
     xfer, transfer = fit_transfer(m.transfer)
     xfer = xfer.model_copy(update={"between_prefill_steps": between_prefill_steps})
-    slo = slo_targets(engine, xfer, int(max(s.x for s in m.decode)), serving_overhead_s + handoff_overhead_s)
+    biggest = int(max(s.x for s in m.decode if not s.extra_context))
+    slo = slo_targets(engine, xfer, biggest, serving_overhead_s + handoff_overhead_s)
     cm = CostModel(name=name, model=m.model, engine=engine, transfer=xfer, slo=slo,
                    serving_overhead_s=serving_overhead_s, handoff_overhead_s=handoff_overhead_s, calibrated=True)
     return cm, FitReport(prefill, decode, transfer)
@@ -306,7 +334,7 @@ def speed_of(engine: EngineConstants, prefill: list[Sample], decode: list[Sample
     """The factor s by which `engine` scaled best predicts these samples, in relative error (least
     squares of s·predicted/measured − 1): above 1, they ran slower than `engine` says."""
     r = np.array([engine.prefill_s(int(x.x)) / x.seconds for x in prefill]
-                 + [engine.decode_token_s(int(x.x)) / x.seconds for x in decode])
+                 + [decode_step_s(engine, x) / x.seconds for x in decode])
     return float(r.sum() / (r * r).sum())
 
 
@@ -354,7 +382,7 @@ def fit_fleet(samples: dict[str, InstanceSamples], base: CostModel, name: str, m
         fits[iid] = InstanceFit(engine, alone, prefill, decode,
                                 held_out_error(engine, s.held_out_prefill, s.held_out_decode), speed[iid], shared)
     every = list(samples.values())
-    biggest = int(max(x.x for s in every for x in s.decode))
+    biggest = int(max(x.x for s in every for x in s.decode if not x.extra_context))
     handoff = base.handoff_overhead_s if handoff_overhead_s is None else handoff_overhead_s
     cm = base.model_copy(update={
         "name": name, "model": model, "engine": pool, "instances": {iid: f.engine for iid, f in fits.items()},
@@ -413,10 +441,15 @@ def live_transfer(lone: list, cm: CostModel) -> tuple[TransferConstants, bool] |
     return cm.transfer.model_copy(update={"latency_s": round(max(fixed, 0.0), 6)}), False
 
 
+def decode_step_s(engine: EngineConstants, s: Sample) -> float:
+    """The decode step `engine` predicts for a decode sample (its streams' extra context included)."""
+    return engine.decode_token_s(int(s.x), int(s.x) * s.extra_context)
+
+
 def held_out_error(engine: EngineConstants, prefill: list[Sample], decode: list[Sample]) -> dict:
     """Predicted vs measured on samples the fit did not see: median and p90 relative error."""
     rel = [abs(engine.prefill_s(int(s.x)) - s.seconds) / s.seconds for s in prefill]
-    rel += [abs(engine.decode_token_s(int(s.x)) - s.seconds) / s.seconds for s in decode]
+    rel += [abs(decode_step_s(engine, s) - s.seconds) / s.seconds for s in decode]
     if not rel:
         raise CalibrationError("no held-out samples")
     return {"n": len(rel), "median_rel_error": float(np.median(rel)), "p90_rel_error": percentile(rel, 90),

@@ -4,7 +4,8 @@
 the router's `POST /admin/probe`, which runs it on exactly the named instance, where the engine
 replica times it (`serve_app.probes`), so no Serve hop is counted. Per instance (`LivePlan`): lone
 prefills over the doubling ladder of prompt lengths of offline calibration, decode steps at a
-few concurrencies, and a held-out set of each, every point over several rounds in rotating order.
+few concurrencies and at one with long prompts (the cost of the context the steps attend to), and
+a held-out set of each kind, every point over several rounds in rotating order.
 Instances are measured one after the other, and after every probe the client pauses (`pause_s`)
 so the fleet's own traffic keeps getting served; the whole run is bounded by `budget_s`, past
 which it stops with nothing written.
@@ -23,6 +24,7 @@ from typing import Callable
 
 from calibration.fit import InstanceSamples, Sample
 from calibration.measure import Plan
+from serve_app.messages import PROBE_CONTEXT
 from disagg.core.cost_model import CostModel
 
 PROBE_TIMEOUT_S = 90.0  # one probe over HTTP: the router's own bound (60 s) plus the hops
@@ -95,6 +97,7 @@ class LivePlan:
     held_out_rounds: int
     prefill_repeats: int
     decode_tokens: int
+    long_context: tuple[int, int] | None = None  # (streams, prompt tokens) of a decode probe each round
 
     @classmethod
     def for_context(cls, max_model_len: int, max_num_seqs: int, quick: bool) -> "LivePlan":
@@ -103,14 +106,14 @@ class LivePlan:
         held_c = tuple(c for c in ((3,) if quick else (3, 12)) if c <= max_num_seqs)
         held = p.held_out_lengths if quick else Plan.for_context(max_model_len, max_num_seqs, False).held_out_lengths
         return cls(p.prefill_lengths, held, conc, held_c, rounds=3, held_out_rounds=6,
-                   prefill_repeats=3, decode_tokens=16)
+                   prefill_repeats=3, decode_tokens=16, long_context=p.long_context)
 
     def held_out_in_round(self, r: int) -> int:
         """How often each held-out point is measured in round r: `held_out_rounds` spread evenly."""
         return self.held_out_rounds // self.rounds + (r < self.held_out_rounds % self.rounds)
 
     def steps(self) -> int:
-        return (self.rounds * (len(self.prefill_lengths) + len(self.concurrencies))
+        return (self.rounds * (len(self.prefill_lengths) + len(self.concurrencies) + (self.long_context is not None))
                 + self.held_out_rounds * (len(self.held_out_lengths) + len(self.held_out_concurrencies)))
 
 
@@ -129,7 +132,7 @@ class LiveCalibrator:
         self._n = 0
         self.kv_capacity_tokens = 0  # as the latest probe's engine reported it
 
-    async def _probe(self, instance: str, kind: str, size: int) -> float:
+    async def _probe(self, instance: str, kind: str, size: int, context: int = 0) -> float:
         if time.monotonic() > self.deadline:
             raise LiveCalibrationError(f"over the budget of {self.budget_s:g} s (--budget-s); nothing written")
         self._n += 1
@@ -138,6 +141,8 @@ class LiveCalibrator:
             body["repeats"] = self.plan.prefill_repeats
         else:
             body["tokens"] = self.plan.decode_tokens
+            if context:
+                body["context"] = context
         reply = await self.post(body)
         await asyncio.sleep(self.pause_s)  # the fleet's own requests go first between probes
         self.kv_capacity_tokens = int(reply["kv_capacity_tokens"])
@@ -146,22 +151,27 @@ class LiveCalibrator:
     async def measure(self, instance: str, progress: Callable[[int], None] = lambda n: None) -> InstanceSamples:
         p = self.plan
         await self._probe(instance, "prefill", p.prefill_lengths[0])  # unmeasured: an idle engine wakes up first
-        points = [("prefill", n, False) for n in p.prefill_lengths] + [("prefill", n, True) for n in p.held_out_lengths]
-        points += [("decode", b, False) for b in p.concurrencies]
-        points += [("decode", b, True) for b in p.held_out_concurrencies]
+        # (kind, size, held out, prompt tokens of a decode probe at long context; 0: the short probe's)
+        points = [("prefill", n, False, 0) for n in p.prefill_lengths]
+        points += [("prefill", n, True, 0) for n in p.held_out_lengths]
+        points += [("decode", b, False, 0) for b in p.concurrencies]
+        points += [("decode", b, True, 0) for b in p.held_out_concurrencies]
+        if p.long_context is not None:
+            points.append(("decode", p.long_context[0], False, p.long_context[1]))
         seen: dict[tuple, list[float]] = {pt: [] for pt in points}
         for r in range(p.rounds):
             held = p.held_out_in_round(r)  # a held-out point's copies go to different places of the round
             due = tuple(pt for copy in range(max(1, held)) for pt in points if copy < (held if pt[2] else 1))
             for pt in rotated(due, r * max(1, len(due) // p.rounds)):
-                seen[pt].append(await self._probe(instance, pt[0], pt[1]))
+                seen[pt].append(await self._probe(instance, pt[0], pt[1], pt[3]))
                 progress(1)
 
         def fitted(kind: str) -> list[Sample]:
-            return [Sample(n, x) for (k, n, held), xs in seen.items() if k == kind and not held for x in xs]
+            return [Sample(n, x, extra_context=c - PROBE_CONTEXT if c else 0)
+                    for (k, n, held, c), xs in seen.items() if k == kind and not held for x in xs]
 
         def held_out(kind: str) -> list[Sample]:
-            return [Sample(n, statistics.median(xs)) for (k, n, held), xs in seen.items() if k == kind and held]
+            return [Sample(n, statistics.median(xs)) for (k, n, held, _), xs in seen.items() if k == kind and held]
 
         return InstanceSamples(fitted("prefill"), fitted("decode"), held_out("prefill"), held_out("decode"),
                                self.kv_capacity_tokens)

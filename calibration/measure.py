@@ -9,7 +9,9 @@ Starts one prefill and one decode engine from the deployment config's engine set
   prefill's KV is then handed to the decode engine, which gives
 - the KV hand-off time: the decode engine's first-token time with remote KV minus one decode step;
 - decode step time at several concurrencies: the median gap between streamed tokens once every
-  stream of the batch is running, each concurrency several times in rotating order;
+  stream of the batch is running, each concurrency several times in rotating order, and once a
+  round at one concurrency with prompts of half the context (what the context the sequences hold
+  costs a step: `long_context_point`);
 - the engine's KV capacity.
 A second, interleaved set of prefill lengths and concurrencies is kept out of the fit for the
 held-out check, measured in every round like the fitted points (`Plan.rounds`), each the median of
@@ -31,6 +33,7 @@ from typing import Callable, NamedTuple
 from calibration.fit import Measurements, Sample
 from disagg.core.types import Role
 from serve_app.config import AppConfig
+from serve_app.messages import PROBE_CONTEXT
 from serve_app.engine import VllmEngine
 from serve_app.probes import median_step_s
 
@@ -39,6 +42,16 @@ SHORTEST_PROMPT = 16
 DECODE_ROOM = 64  # tokens below max_model_len left for the decode side's own tokens
 SERVING_PROBE_TOKENS = 64  # prompt of the lone requests that measure the serving path
 TRANSFER_PROBE_TOKENS = 1024  # and of those that measure the KV transfer's bandwidth (at most half the context)
+LONG_CONTEXT_STREAMS = 16  # the decode probe at long context: its streams,
+LONG_CONTEXT_MAX = 2048  # and at most this many prompt tokens each: enough to show the term, quick to prefill
+
+
+def long_context_point(max_model_len: int, max_num_seqs: int) -> tuple[int, int] | None:
+    """(streams, prompt tokens each) of the decode probe that measures the cost of the context the
+    sequences hold (`decode_context_s`): half the model's context, beside the short probes'
+    `PROBE_CONTEXT`; None where the context is too short to tell the two apart."""
+    context = min(LONG_CONTEXT_MAX, max_model_len // 2)
+    return (min(LONG_CONTEXT_STREAMS, max_num_seqs), context) if context >= 4 * PROBE_CONTEXT else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +62,7 @@ class Plan:
     held_out_concurrencies: tuple[int, ...]
     repeats: int
     decode_tokens: int
+    long_context: tuple[int, int] | None = None  # (streams, prompt tokens): `long_context_point`
 
     @classmethod
     def for_context(cls, max_model_len: int, max_num_seqs: int, quick: bool) -> "Plan":
@@ -59,13 +73,14 @@ class Plan:
         held = tuple(sorted({max(SHORTEST_PROMPT, int(top * f)) for f in (0.03, 0.1, 0.4, 0.9)} - set(lengths)))
         conc = tuple(c for c in (1, 2, 4, 8, 16, 32) if c <= max_num_seqs)
         held_c = tuple(c for c in (3, 12) if c <= max_num_seqs)
+        long = long_context_point(max_model_len, max_num_seqs)
         if quick:
-            return cls(lengths, held[1::2], tuple(c for c in (1, 4, 16) if c <= max_num_seqs), held_c[:1], 2, 32)
-        return cls(lengths, held, conc, held_c, 3, 48)
+            return cls(lengths, held[1::2], tuple(c for c in (1, 4, 16) if c <= max_num_seqs), held_c[:1], 2, 32, long)
+        return cls(lengths, held, conc, held_c, 3, 48, long)
 
     def steps(self) -> int:
         return self.repeats * (len(self.prefill_lengths) + len(self.held_out_lengths)) + len(self.concurrencies) \
-            + len(self.held_out_concurrencies)
+            + len(self.held_out_concurrencies) + (self.long_context is not None)
 
     def rounds(self, points: tuple[int, ...], held: tuple[int, ...]) -> list[list[tuple[int, bool]]]:
         """`repeats` rounds of every fitted point and every held-out one, (point, held out), each
@@ -180,7 +195,11 @@ class Calibrator:
                         held.setdefault(b, []).append(step)
                     else:
                         decode.append(Sample(b, step))
-            progress(len(plan.concurrencies) + len(plan.held_out_concurrencies))
+                if plan.long_context is not None:  # once a round, among the short probes' rounds
+                    b, context = plan.long_context
+                    step = await self._decode_step(D, b, plan.decode_tokens, context)
+                    decode.append(Sample(b, step, extra_context=context - PROBE_CONTEXT))
+            progress(len(plan.concurrencies) + len(plan.held_out_concurrencies) + (plan.long_context is not None))
             held_decode = [Sample(b, statistics.median(v)) for b, v in held.items()]
             state = await D.state()
             e = self.cfg.engine
@@ -206,9 +225,9 @@ class Calibrator:
         # the decode engine's first token = pulling the KV + one step over the last prompt token
         return Sample(p, r.engine_ttft_s), Sample(p, max(first - step1, 1e-6))
 
-    async def _decode_step(self, D: VllmEngine, batch: int, tokens: int) -> float:
-        """Median inter-token gap while all `batch` streams run together."""
-        return await median_step_s(lambda: D.decode(self._rid("d"), self._ids(16), {
+    async def _decode_step(self, D: VllmEngine, batch: int, tokens: int, context: int = PROBE_CONTEXT) -> float:
+        """Median inter-token gap while all `batch` streams of `context` prompt tokens run together."""
+        return await median_step_s(lambda: D.decode(self._rid("d"), self._ids(context), {
             "max_tokens": tokens, "ignore_eos": True, **GREEDY}, None), batch)
 
 

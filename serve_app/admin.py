@@ -12,7 +12,7 @@
 - `reset_prefix_cache()`: drop every engine's cached prefixes (between benchmark runs), and
   `forget_prefixes()` this router replica's index of them (the ingress has every replica do it);
 - `probe(body)`: one calibration measurement on exactly one instance (`disagg calibrate --live`):
-  `{"instance", "kind": "prefill"|"decode", "size", "tokens", "seed", "repeats"}`, sizes bounded
+  `{"instance", "kind": "prefill"|"decode", "size", "tokens", "seed", "repeats", "context"}`, sizes bounded
   by what the model's engines take.
 A body naming no `model` applies to every model. Invalid bodies raise `ApiError` (400) naming the
 field, and change nothing: every target's new policy is built before any is swapped in.
@@ -31,7 +31,7 @@ from disagg.core.ledger import Ledger
 from disagg.core.policies import PolicyError, build_policy, known_policies
 from disagg.core.prefix_index import prompt_block_hashes
 from serve_app.access import CostModelFiles
-from serve_app.messages import ProbeCall, ProbeKind
+from serve_app.messages import PROBE_CONTEXT, ProbeCall, ProbeKind
 from serve_app.openai_api import ApiError
 from serve_app.registry import Instance, InstanceRegistry
 from serve_app.request_log import Counters
@@ -232,10 +232,13 @@ class Admin:
         tokens = _bounded_int(body, "tokens", 2, PROBE_MAX_TOKENS, PROBE_TOKENS) if kind is ProbeKind.DECODE else 1
         seed = _bounded_int(body, "seed", 0, 2**31 - 1, 0)
         repeats = _bounded_int(body, "repeats", 1, PROBE_MAX_REPEATS, 1)
+        # a decode stream's prompt: its KV and the steps' context stay within the model's length
+        context = _bounded_int(body, "context", 1, cfg.model.max_model_len - tokens, PROBE_CONTEXT) \
+            if kind is ProbeKind.DECODE else PROBE_CONTEXT
         handle = self.models[inst.model].handles[inst.role]
         try:
             reply = await asyncio.wait_for(
-                handle.probe.remote(ProbeCall(kind, size, tokens, seed, repeats), replica=inst.replica),
+                handle.probe.remote(ProbeCall(kind, size, tokens, seed, repeats, context), replica=inst.replica),
                 PROBE_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise ApiError(f"the probe on {inst.instance_id} took over {PROBE_TIMEOUT_S:g} s", status=504,
@@ -248,6 +251,7 @@ class Admin:
             raise ApiError(f"instance {inst.instance_id} is gone; probed {reply.replica} instead, discarded",
                            status=409, kind="conflict", param="instance")
         return {"instance": inst.instance_id, "kind": kind.value, "size": size, "tokens": tokens, "repeats": repeats,
+                "context": context,
                 "seconds": reply.seconds, "samples": list(reply.samples), "kv_capacity_tokens": reply.kv_capacity_tokens}
 
     def forget_prefixes(self, raw_body: bytes = b"") -> dict:

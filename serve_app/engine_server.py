@@ -416,7 +416,7 @@ class EngineServer:
             if call.kind is ProbeKind.PREFILL:
                 samples.append(await first_output_s(stream(call.size, 1)))
             else:
-                samples.append(await median_step_s(lambda: stream(16, call.tokens), call.size))
+                samples.append(await median_step_s(lambda: stream(call.context, call.tokens), call.size))
         s = await self.engine.state()
         return ProbeReply(seconds=statistics.median(samples), replica=self.replica_id,
                           kv_capacity_tokens=s.kv_capacity_tokens, samples=tuple(samples))

@@ -209,6 +209,9 @@ class ProbeKind(str, Enum):
     DECODE = "decode"  # `size` streams of `tokens` tokens at once: the median step while all run
 
 
+PROBE_CONTEXT = 16  # a decode probe's prompt tokens per stream, unless the call says
+
+
 @dataclass(frozen=True, slots=True)
 class ProbeCall:
     """One calibration measurement, computed on the engine alone: a greedy completion of random token
@@ -220,6 +223,7 @@ class ProbeCall:
     tokens: int = 1  # output tokens per stream (decode)
     seed: int = 0  # of the random prompts
     repeats: int = 1  # measured back to back; the reply's `seconds` is their median
+    context: int = PROBE_CONTEXT  # prompt tokens of each decode stream: the context its steps attend to
 
 
 @dataclass(frozen=True, slots=True)

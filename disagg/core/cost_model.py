@@ -7,6 +7,7 @@ One continuous-batching step costs::
 
     step_s = step_base_s + prefill_token_s * prefill_tokens + decode_seq_s * decode_seqs
              + prefill_attention_s * Σ c·(k + c/2)     (over the step's prefill chunks)
+             + decode_context_s * Σ context              (over its decoding sequences)
 
 where a chunk of c prompt tokens is computed over k tokens already in its KV: its attention work
 grows with the context, so a prefill's time is quadratic in its prompt. c·(k + c/2) adds up over the
@@ -14,9 +15,10 @@ chunks of one prompt to p²/2 whatever the chunking, so a lone prefill of p toke
 ``prefill_overhead_s + step_base_s + p * prefill_token_s + prefill_attention_s * p²/2`` in one chunk
 (τ_pre is the linear slope; the overhead is what a finished prefill costs beyond its steps:
 scheduling, KV registration for the hand-off, output handling) and one decode token at
-concurrency b takes ``step_base_s + b * decode_seq_s`` (τ_dec(b)). KV transfer between a prefill and a decode instance takes
-``latency_s + tokens / tokens_per_s``. A decode step has no context term: calibration's decode
-samples all hold a few dozen tokens of context, so it could not measure one. Constants can differ
+concurrency b takes ``step_base_s + b * decode_seq_s + decode_context_s * K`` (τ_dec(b)) where K is
+the tokens the b sequences hold in all: each decoding token attends to its sequence's whole
+context, measured by decode probes at long prompts. KV transfer between a prefill and a decode
+instance takes ``latency_s + tokens / tokens_per_s``. Constants can differ
 per instance (heterogeneous fleets) and per (prefill, decode) pair (for example same node vs across
 nodes); the defaults apply otherwise.
 
@@ -83,6 +85,12 @@ class EngineConstants(_Strict):
         default=0.0, ge=0.0, le=1e-5,
         description="seconds per prefill token per token of context it attends to: a chunk of c tokens "
                     "after k computed ones adds prefill_attention_s·c·(k + c/2) to its step")
+    # 0 (the default) is the decode step every profile before it meant
+    decode_context_s: float = Field(
+        default=0.0, ge=0.0, le=1e-5,
+        description="seconds per step per token of context a decoding sequence attends to (its prompt and "
+                    "what it has generated): a step over decoding sequences holding K tokens adds "
+                    "decode_context_s·K")
     kv_capacity_tokens: int = Field(gt=0, description="KV cache capacity in tokens")
     block_size: int = Field(default=16, gt=0, description="KV block size in tokens")
     max_num_seqs: int = Field(default=256, gt=0, description="cap on running sequences")
@@ -101,10 +109,11 @@ class EngineConstants(_Strict):
             )
         return self
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int, pairs: float = 0.0) -> float:
-        """One step; `pairs` is Σ `attention_pairs(c, k)` over its prefill chunks."""
+    def step_s(self, prefill_tokens: int, decode_seqs: int, pairs: float = 0.0, context: int = 0) -> float:
+        """One step; `pairs` is Σ `attention_pairs(c, k)` over its prefill chunks, `context` the
+        tokens its decoding sequences hold in all."""
         return (self.step_base_s + self.prefill_token_s * prefill_tokens + self.decode_seq_s * decode_seqs
-                + self.prefill_attention_s * pairs)
+                + self.prefill_attention_s * pairs + self.decode_context_s * context)
 
     def prefill_s(self, prompt_tokens: int, context_tokens: int = 0) -> float:
         """A lone prefill of `prompt_tokens` after `context_tokens` already in its KV (a prefix-cache
@@ -114,9 +123,9 @@ class EngineConstants(_Strict):
         return (self.prefill_overhead_s + chunks * self.step_base_s + self.prefill_token_s * prompt_tokens
                 + self.prefill_attention_s * attention_pairs(prompt_tokens, context_tokens))
 
-    def decode_token_s(self, concurrency: int) -> float:
-        """τ_dec at a given number of co-running sequences (≥ 1)."""
-        return self.step_base_s + self.decode_seq_s * max(1, concurrency)
+    def decode_token_s(self, concurrency: int, context: int = 0) -> float:
+        """τ_dec at a given number of co-running sequences (≥ 1) holding `context` tokens in all."""
+        return self.step_base_s + self.decode_seq_s * max(1, concurrency) + self.decode_context_s * context
 
     def scaled(self, factor: float) -> "EngineConstants":
         """The same engine with every step-time term scaled by `factor` (a slower or faster device, or
@@ -124,7 +133,7 @@ class EngineConstants(_Strict):
         return self.model_copy(update={
             "step_base_s": self.step_base_s * factor, "prefill_token_s": self.prefill_token_s * factor,
             "prefill_attention_s": self.prefill_attention_s * factor, "decode_seq_s": self.decode_seq_s * factor,
-            "prefill_overhead_s": self.prefill_overhead_s * factor})
+            "decode_context_s": self.decode_context_s * factor, "prefill_overhead_s": self.prefill_overhead_s * factor})
 
 
 def attention_pairs(chunk_tokens: int, context_tokens: int) -> float:

@@ -136,11 +136,11 @@ class RequestRate:
         return RequestRate(self.window_s, self._rate, self._at)
 
 
-def prefill_part_s(c: EngineConstants, seconds: float, decode_seqs: int) -> float:
+def prefill_part_s(c: EngineConstants, seconds: float, decode_seqs: int, context: int = 0) -> float:
     """The prefill work in a step of `seconds` (alone) beside `decode_seqs` decoding sequences, as
     its weight on a shared host counts it (`SharedHost.step_weight`): what the step takes beyond
-    the decode step it rides on, or all of it when nothing decodes."""
-    return seconds - c.step_s(0, decode_seqs) if decode_seqs else seconds
+    the decode step it rides on (over `context` tokens), or all of it when nothing decodes."""
+    return seconds - c.step_s(0, decode_seqs, 0.0, context) if decode_seqs else seconds
 
 
 _WEIGHT_CHANGE = 0.05  # a busy engine's step weight moving by more re-plans the others (`HostShare.busy_changes`)
@@ -265,6 +265,7 @@ class EngineModel:
         self.transferring = 0
         self._fin: list[tuple[int, int, int, Job]] = []  # (finish step, seq, epoch, job)
         self._phase = [0] * self.bs  # decoding jobs by base % block_size
+        self._context = 0  # Σ base over decoding jobs: at step s they hold _context + len(decoding)·s tokens
         self.step = 0
         self._seq = 0
         # the step (or macro step) in flight
@@ -428,9 +429,10 @@ class EngineModel:
                 finishing += job.computed + c >= job.prefill_goal
                 if attention:  # each chunk attends to what its job has computed so far (advanced at end_step)
                     pairs += attention_pairs(c, job.computed)
-            self._dur = self._alone = self.c.step_s(tokens, n, pairs) + self.c.prefill_overhead_s * finishing
+            context = self._context + n * self.step if n else 0
+            self._dur = self._alone = self.c.step_s(tokens, n, pairs, context) + self.c.prefill_overhead_s * finishing
             if self.share is not None:
-                prefill = prefill_part_s(self.c, self._dur, n)
+                prefill = prefill_part_s(self.c, self._dur, n, context)
                 self._dur *= self.share.step(self.instance_id, n + finishing, self._dur, now, prefill)
         elif n:
             while self._fin and self._fin[0][3].epoch != self._fin[0][2]:
@@ -451,6 +453,10 @@ class EngineModel:
             dur = self._decode_step_s.get(n)
             if dur is None:  # the step time of a decode-only batch depends on its size alone: memoised
                 dur = self._decode_step_s[n] = self.c.step_s(0, n)
+            if self.c.decode_context_s:
+                # each of the k steps attends to n tokens more than the one before: the macro step's
+                # steps each take their mean (exact in sum; the first is short of it by (k-1)/2 of n tokens)
+                dur += self.c.decode_context_s * (self._context + n * self.step + n * (k - 1) / 2)
             self._alone = dur
             if self.share is not None:
                 dur *= self.share.step(self.instance_id, n, dur, now)
@@ -600,6 +606,7 @@ class EngineModel:
         job.epoch += 1
         self.decoding[job.rid] = job
         self._phase[job.base % self.bs] += 1
+        self._context += job.base
         self._seq += 1
         heapq.heappush(self._fin, (job.fin_step, self._seq, job.epoch, job))
         if job.t_first is None:
@@ -608,6 +615,7 @@ class EngineModel:
     def _leave_decoding(self, job: Job) -> None:
         del self.decoding[job.rid]
         self._phase[job.base % self.bs] -= 1
+        self._context -= job.base
         job.kvlen = job.base + self.step
         job.generated = job.gbase + self.step
         job.blocks = self._blocks_for(job.kvlen)

@@ -194,10 +194,12 @@ class Planner:
         # the wait the TTFT budget leaves; a budget a lone prefill already misses would otherwise ask
         # for every instance at any load (module docstring)
         wait = max(budget - service, (1 - c.headroom) * service)
+        # a sequence's share of a decode step: τ_seq, and its context (prompt and half its output on average)
+        per_seq = e.decode_seq_s + e.decode_context_s * (prompt + output / 2)
         # decodes hosted on prefill instances: their tokens leave the decode pool, and each adds its
-        # sequence's share of a step (τ_seq per token) to the prefill pool's work
+        # sequence's share of a step to the prefill pool's work
         hosted = min(1.0, w.hosted_arrivals / w.arrivals)
-        work = rate * service + rate * hosted * output * e.decode_seq_s  # prefill-pool seconds per second
+        work = rate * service + rate * hosted * output * per_seq  # prefill-pool seconds per second
         prefill = max(1, math.ceil(work))  # below 1 per instance, or it never drains
         while prefill < c.max_prefill:
             u = work / prefill
@@ -209,9 +211,9 @@ class Planner:
         while decode < c.max_decode:
             # each instance emits rate·output/n tokens/s; a batch of b emits b/τ(b): solve for b
             tokens = rate * (1.0 - hosted) * output / decode
-            if tokens * e.decode_seq_s < 1:
-                batch = tokens * e.step_base_s / (1 - tokens * e.decode_seq_s)
-                if e.step_base_s + e.decode_seq_s * batch <= tpot and batch * (prompt + output / 2) <= room:
+            if tokens * per_seq < 1:
+                batch = tokens * e.step_base_s / (1 - tokens * per_seq)
+                if e.step_base_s + per_seq * batch <= tpot and batch * (prompt + output / 2) <= room:
                     break
             decode += 1
         return Widths(prefill, decode)

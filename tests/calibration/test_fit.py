@@ -187,8 +187,9 @@ def test_every_round_measures_every_fitted_and_held_out_point_in_a_rotated_order
     assert len({r[0] for r in rounds}) == plan.repeats  # a slow moment lands on other points each round
     decode = plan.rounds(plan.concurrencies, plan.held_out_concurrencies)
     assert all({b for b, held in r if held} == set(plan.held_out_concurrencies) for r in decode)
-    # the progress bar counts each prefill probe and each concurrency once
-    assert plan.steps() == sum(map(len, rounds)) + len(plan.concurrencies) + len(plan.held_out_concurrencies)
+    # the progress bar counts each prefill probe, each concurrency and the probe at long context once
+    assert plan.long_context == (16, 1024)  # half the model's context
+    assert plan.steps() == sum(map(len, rounds)) + len(plan.concurrencies) + len(plan.held_out_concurrencies) + 1
 
 
 @pytest.mark.parametrize("noise", [0.0, 0.01, 0.02])
@@ -255,3 +256,53 @@ def test_nnls_is_exact_on_the_boundary():
     # unconstrained: x = (-1, 2); constrained: x0 = 0 and x1 fits what is left
     x = nnls(a, np.array([-1.0, 2.0, 1.0]))
     assert x[0] == 0.0 and x[1] == pytest.approx(1.5)
+
+
+TAU_CTX = 9e-8  # s per step per token of context a decoding sequence holds (as measured on the CPU profile)
+
+
+def with_long_context(m: Measurements, noise: float, seed: int = 1, tau_ctx: float = TAU_CTX) -> Measurements:
+    """`m` with three decode probes of 16 streams holding 1,008 tokens more than the short ones."""
+    rng = random.Random(seed)
+    step = TRUE["base"] + TRUE["tau_seq"] * 16 + tau_ctx * 16 * 1008
+    m.decode = m.decode + [Sample(16, step * (1 + rng.uniform(-noise, noise)), extra_context=1008) for _ in range(3)]
+    return m
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.02])
+def test_recovers_the_cost_of_the_context_decoding_sequences_hold(noise):
+    plain, _ = fit_cost_model(synthetic(noise), "t")
+    cm, report = fit_cost_model(with_long_context(synthetic(noise), noise), "t")
+    # the long-context term is 1.45 ms of a 3.0 ms step: ±2% noise on the step is ±4% on the term
+    assert cm.engine.decode_context_s == pytest.approx(TAU_CTX, rel=0.0001 if noise == 0 else 0.1)
+    # the short probes' line is what it was without them: they judge the term, not the line
+    assert (cm.engine.step_base_s, cm.engine.decode_seq_s) == (plain.engine.step_base_s, plain.engine.decode_seq_s)
+    assert report.decode.n == 6
+    assert plain.engine.decode_context_s == 0.0  # no probe at long context: no term
+    # the SLO rule's concurrency is the short probes' largest, as before
+    assert cm.slo[SloClass.TIGHT].tpot_s == plain.slo[SloClass.TIGHT].tpot_s
+
+
+def test_long_context_probes_no_slower_than_the_line_give_no_term():
+    cm, _ = fit_cost_model(with_long_context(synthetic(0.0), 0.0, tau_ctx=-1e-8), "t")
+    assert cm.engine.decode_context_s == 0.0
+
+
+def test_the_probe_at_long_context_takes_half_the_models_context_within_bounds():
+    from calibration.measure import long_context_point
+
+    assert long_context_point(2048, 64) == (16, 1024)
+    assert long_context_point(32768, 256) == (16, 2048)  # enough to show the term, quick to prefill
+    assert long_context_point(2048, 8) == (8, 1024)  # no more streams than the engine runs
+    assert long_context_point(100, 64) is None  # too short a context to tell from the short probes'
+
+
+def test_the_context_term_is_judged_against_the_short_probes_at_its_own_concurrency():
+    # the short probes at 16 streams ran 20% above the line through 1, 2, 4, 8 and 32 (a slow spell):
+    # the long-context probes, taken beside them, are judged against them, not against the line
+    m = synthetic(0.0)
+    slow = 1.2 * (TRUE["base"] + TRUE["tau_seq"] * 16)
+    m.decode = [s if s.x != 16 else Sample(16, slow) for s in m.decode]
+    m.decode += [Sample(16, slow + TAU_CTX * 16 * 1008, extra_context=1008) for _ in range(3)]
+    cm, _ = fit_cost_model(m, "t")
+    assert cm.engine.decode_context_s == pytest.approx(TAU_CTX, rel=1e-6)

@@ -12,6 +12,7 @@ from calibration.fit import SPEED_MATERIAL, CalibrationError, InstanceSamples, S
 from calibration.live import Fleet, LiveCalibrationError, LiveCalibrator, LivePlan
 from disagg.core.cost_model import load_profile
 from disagg.core.types import SloClass
+from serve_app.messages import PROBE_CONTEXT
 
 BASE = load_profile("cpu-tiny")
 SLOW = dict(base=0.004, overhead=0.006, tau_pre=3.0e-5, tau_seq=4.0e-5)  # another generation of hardware
@@ -163,13 +164,14 @@ class StandInProbes:
         t = self.t
         if body["kind"] == "prefill":
             seconds = t["overhead"] + t["base"] + t["tau_pre"] * body["size"]
-        else:
-            seconds = t["base"] + t["tau_seq"] * body["size"]
+        else:  # a decode step pays for the context its streams hold beyond a short probe's
+            seconds = t["base"] + t["tau_seq"] * body["size"] \
+                + t.get("tau_ctx", 0.0) * body["size"] * (body.get("context", PROBE_CONTEXT) - PROBE_CONTEXT)
         return {"seconds": seconds, "kv_capacity_tokens": 1234}
 
 
 def test_the_driver_follows_the_plan_pauses_after_every_probe_and_fits_what_it_measured():
-    probes = StandInProbes(SLOW)
+    probes = StandInProbes({**SLOW, "tau_ctx": 9e-8})
     t0 = time.monotonic()
     s = asyncio.run(LiveCalibrator(probes, PLAN, pause_s=0.005, budget_s=60).measure("decode-2"))
     n = len(probes.calls)
@@ -179,8 +181,13 @@ def test_the_driver_follows_the_plan_pauses_after_every_probe_and_fits_what_it_m
     # one unmeasured wake-up, then every fitted point once per round, every held-out point in more rounds
     assert n == 1 + PLAN.steps() and 3 <= PLAN.rounds < PLAN.held_out_rounds
     assert sorted(x.x for x in s.prefill) == sorted(PLAN.prefill_lengths * PLAN.rounds)
-    assert sorted(x.x for x in s.decode) == sorted(PLAN.concurrencies * PLAN.rounds)
+    streams, context = PLAN.long_context
+    assert context == 1024 and streams == 16  # half the model's context, beside the short probes
+    assert sorted(x.x for x in s.decode) == sorted((*PLAN.concurrencies, streams) * PLAN.rounds)
+    assert sorted(x.extra_context for x in s.decode if x.extra_context) == [context - PROBE_CONTEXT] * PLAN.rounds
     asked = [(b["kind"], b["size"]) for _, b in probes.calls[1:]]
+    asked_long = [(b["kind"], b["size"], b.get("context")) for _, b in probes.calls[1:]]
+    assert asked_long.count(("decode", streams, context)) == PLAN.rounds
     assert all(asked.count(("prefill", n)) == PLAN.held_out_rounds for n in PLAN.held_out_lengths)
     assert all(asked.count(("decode", c)) == PLAN.held_out_rounds for c in PLAN.held_out_concurrencies)
     # a held-out point is the median of its rounds: one sample each
@@ -192,7 +199,8 @@ def test_the_driver_follows_the_plan_pauses_after_every_probe_and_fits_what_it_m
     # every round measures each fitted point once and the held-out points in their share of rounds,
     # so the held-out set is taken in the same minute as the points it judges; rounds visit the points
     # in different orders, so a slow spell does not land on one point
-    fitted = [("prefill", n) for n in PLAN.prefill_lengths] + [("decode", c) for c in PLAN.concurrencies]
+    fitted = [("prefill", n) for n in PLAN.prefill_lengths] + [("decode", c) for c in PLAN.concurrencies] \
+        + [("decode", streams)]
     held = [("prefill", n) for n in PLAN.held_out_lengths] + [("decode", c) for c in PLAN.held_out_concurrencies]
     rounds, at = [], 0
     for r in range(PLAN.rounds):
@@ -206,6 +214,7 @@ def test_the_driver_follows_the_plan_pauses_after_every_probe_and_fits_what_it_m
     assert rounds[0] != rounds[1]
     cm, fits = fit_fleet({"decode-2": s}, BASE, "live", "tiny:tiny", 0.0, "t")
     assert cm.for_instance("decode-2").decode_seq_s == pytest.approx(SLOW["tau_seq"], rel=1e-6)
+    assert cm.for_instance("decode-2").decode_context_s == pytest.approx(9e-8, rel=1e-6)
     assert fits["decode-2"].held_out["median_rel_error"] < 1e-6
 
 

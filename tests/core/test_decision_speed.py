@@ -74,13 +74,16 @@ class ReferenceSloGoodput(SloGoodput):
             # on a shared host: the stretch d's sequences run at now and with this one, and the misses
             # making d busy adds to the host's other sequences
             sigma_now, sigma_d, harm = (1.0, 1.0, 0.0) if host is None else host.site(d)
-            tau_after = ec.decode_token_s(b + 1) * sigma_d
-            before = _miss(ec.decode_token_s(b) * sigma_now + pending / out, tpot_others, spread) if b else 0.0
-            step = ec.step_s(0, b + 1) * sigma_d
+            # the context d's sequences hold, and the request's: its prompt, and half its output on average
+            kv = d.kv_used_tokens
+            tau_after = ec.decode_token_s(b + 1, kv + prompt + out // 2) * sigma_d
+            before = _miss(ec.decode_token_s(b, kv) * sigma_now + pending / out, tpot_others, spread) if b else 0.0
+            step = ec.step_s(0, b + 1, 0.0, kv + prompt) * sigma_d
             for end, q, work, p, stall in ends:
                 xfer = cm.transfer_s(p.instance_id, d.instance_id, prompt - held)
                 arrive = end + xfer
-                first = ec.step_s(ec.max_batched_tokens - b - 1, b + 1) * sigma_d if pending > arrive else step
+                first = ec.step_s(ec.max_batched_tokens - b - 1, b + 1, 0.0, kv + prompt) * sigma_d \
+                    if pending > arrive else step
                 if b:
                     first *= 1.5
                 ttft = arrive + first + overhead + handoff
@@ -93,7 +96,8 @@ class ReferenceSloGoodput(SloGoodput):
             if prm.allow_colocated:
                 uncached = prompt - held
                 chunk = max(1, ec.max_batched_tokens - b)
-                work = (ec.prefill_overhead_s + -(-uncached // chunk) * (ec.step_base_s + ec.decode_seq_s * b)
+                work = (ec.prefill_overhead_s
+                        + -(-uncached // chunk) * (ec.step_base_s + ec.decode_seq_s * b + ec.decode_context_s * kv)
                         + ec.prefill_token_s * uncached + ec.prefill_attention_s * attention_pairs(uncached, held))
                 work *= sigma_d
                 ttft = pending + work + overhead
@@ -108,7 +112,8 @@ class ReferenceSloGoodput(SloGoodput):
             ec, h = cm.for_instance(p.instance_id), p.hosted
             ttft = end + overhead
             share = 1.0 - self._utilization(p.instance_id, now)
-            tau_h, tau_after, extra = ec.decode_token_s(h), ec.decode_token_s(h + 1), 0.0
+            kv = p.kv_used_tokens
+            tau_h, tau_after, extra = ec.decode_token_s(h, kv), ec.decode_token_s(h + 1, kv + prompt + out // 2), 0.0
             if host is not None:
                 tau_h, tau_after, extra = host.decode_on(p, tau_h, tau_after)
                 extra += host.prefill_stall(work, p, out)
@@ -118,7 +123,8 @@ class ReferenceSloGoodput(SloGoodput):
             harm = h * (_miss(tpot + work / out, tpot_others, spread)
                         - _miss(tau_h / share, tpot_others, spread)) if h else 0.0
             meet = (1.0 - _miss(ttft, ttft_t, spread)) * (1.0 - _miss(tpot, tpot_t, spread)) * ok_kv
-            cost = 2.0 - meet - ok_kv + harm + w * (ttft + h * work + out * ec.decode_seq_s) / ttft_t + extra
+            own = out * (ec.decode_seq_s + ec.decode_context_s * (prompt + out // 2))
+            cost = 2.0 - meet - ok_kv + harm + w * (ttft + h * work + own) / ttft_t + extra
             if best is None or cost < best[0]:
                 best = (cost, p, p, q, work, 0.0, 0.0, tpot, press)
         _, p, d, q, work, xfer, first, tpot, press = best
@@ -184,12 +190,14 @@ def _cost_models():
     overhead = make_cost_model(serving_overhead_s=0.03, engine=engine_dict(prefill_token_s=0.0001))
     # every constant the cost model has set at once, so no term of either policy goes unchecked
     every = make_cost_model(serving_overhead_s=0.01, handoff_overhead_s=0.006,
-                            engine=engine_dict(prefill_overhead_s=0.004, prefill_attention_s=2e-9),
-                            instances={"d0": engine_dict(prefill_attention_s=5e-9, decode_seq_s=0.001)},
+                            engine=engine_dict(prefill_overhead_s=0.004, prefill_attention_s=2e-9,
+                                               decode_context_s=1e-7),
+                            instances={"d0": engine_dict(prefill_attention_s=5e-9, decode_seq_s=0.001,
+                                                         decode_context_s=3e-7)},
                             pairs={"p0->d1": {"latency_s": 0.01, "tokens_per_s": 5e4}})
     assert all(v for k, v in every.engine.model_dump().items() if k != "measured_at"), every.engine
     # engines on one host: the stretch, the serving path's CPU and the prefill's stall priced too
-    shared = make_cost_model(engine=engine_dict(prefill_token_s=0.0001), serving_overhead_s=0.01,
+    shared = make_cost_model(engine=engine_dict(prefill_token_s=0.0001, decode_context_s=1e-7), serving_overhead_s=0.01,
                              handoff_overhead_s=0.005,
                              shared_host={"engine_cores": 1.0, "cores": 2.0, "token_cpu_s": 0.0005})
     return {"a40": a40, "small": small, "hetero": hetero, "pairs": pairs, "overhead": overhead, "every": every,

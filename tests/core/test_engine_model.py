@@ -242,3 +242,70 @@ def test_an_attention_term_that_cannot_be_seconds_per_pair_is_refused(bad):
     with pytest.raises(CostModelError, match="prefill_attention_s"):
         CostModel.from_dict({**load_profile("cpu-tiny").to_dict(),
                              "engine": {**load_profile("cpu-tiny").engine.model_dump(), "prefill_attention_s": bad}})
+
+
+CTX = 1e-5  # s per step per token of context held by the decoding sequences (large, to show)
+
+
+def test_decode_steps_pay_for_the_context_their_sequences_hold():
+    # prompt 40, 10 tokens: the prefill gives the first; the 9 decode steps attend to 40, 41, …, 48
+    e = EngineModel("d", consts(decode_context_s=CTX))
+    job = Job("a", prompt=40, target=10)
+    e.submit(job)
+    run_until_idle(e)
+    assert job.t_first == pytest.approx(0.01 + 0.04, abs=1e-12)  # a lone prefill holds no decoding context
+    assert job.t_last - job.t_first == pytest.approx(9 * 0.012 + CTX * sum(range(40, 49)), abs=1e-12)
+    # the same with the term at 0: the step model before it
+    plain = EngineModel("d", consts())
+    other = Job("a", prompt=40, target=10)
+    plain.submit(other)
+    run_until_idle(plain)
+    assert other.t_last - other.t_first == pytest.approx(9 * 0.012, abs=1e-12)
+
+
+def test_a_batchs_context_is_every_sequences_own_and_leaves_with_it():
+    # both prefill in one step (no decodes beside it), then decode together until the short one ends
+    e = EngineModel("d", consts(decode_context_s=CTX, max_batched_tokens=256))
+    short, long = Job("s", prompt=40, target=5), Job("l", prompt=100, target=10)
+    e.submit(short)
+    e.submit(long)
+    run_until_idle(e)
+    start = 0.01 + 0.14
+    together = 4 * 0.014 + CTX * sum(140 + 2 * j for j in range(4))  # contexts 40+j and 100+j
+    assert short.t_last == pytest.approx(start + together, abs=1e-12)
+    alone = 5 * 0.012 + CTX * sum(range(104, 109))  # the long one's context after the four steps
+    assert long.t_last == pytest.approx(start + together + alone, abs=1e-12)
+
+
+def test_a_prefill_step_beside_decodes_pays_for_their_context():
+    e = EngineModel("d", consts(decode_context_s=CTX))
+    a = Job("a", prompt=40, target=20)
+    e.submit(a)
+    first = e.poke(0.0)
+    e.end_step(first)  # a prefilled: it decodes from here with 40 tokens of context
+    decode_end = e.poke(first)
+    e.submit(Job("c", prompt=30, target=2))
+    cut = e.poke(first + 1e-6)  # the macro step is cut at the step in flight
+    e.end_step(cut)
+    end = e.poke(cut)
+    # c's whole prompt beside a's decode, whose sequence holds 41 tokens by now
+    assert end - cut == pytest.approx(0.01 + 0.03 + 0.002 + CTX * 41, abs=1e-12)
+    assert decode_end > cut
+
+
+def test_profiles_and_files_without_the_decode_context_term_still_load(tmp_path):
+    for name in shipped_profiles():
+        assert load_profile(name).engine.decode_context_s == 0.0
+    old = load_profile("cpu-tiny").to_dict()
+    old["engine"].pop("decode_context_s", None)  # a file written before the term existed
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old))
+    assert CostModel.load(path).engine.decode_context_s == 0.0
+    assert consts(decode_context_s=CTX).scaled(2.0).decode_context_s == 2 * CTX
+
+
+@pytest.mark.parametrize("bad", [-1e-9, 1e-3])
+def test_a_decode_context_term_that_cannot_be_seconds_per_token_is_refused(bad):
+    with pytest.raises(CostModelError, match="decode_context_s"):
+        CostModel.from_dict({**load_profile("cpu-tiny").to_dict(),
+                             "engine": {**load_profile("cpu-tiny").engine.model_dump(), "decode_context_s": bad}})

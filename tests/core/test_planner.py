@@ -61,6 +61,24 @@ def test_the_decode_width_is_the_smallest_whose_steady_batch_meets_tpot_and_fits
     assert long > d and fits(long, 8000) and not fits(long - 1, 8000)
 
 
+def test_the_context_decoding_sequences_hold_asks_for_more_decode_instances():
+    # at 0.1 µs per token of context a sequence midway through a 1,000-token prompt and a 250-token
+    # output adds 0.11 ms to each step (τ_seq 0.18 ms): a steady batch within the TPOT target needs
+    # more instances
+    e = CM.engine
+    costly = CM.model_copy(update={"engine": e.model_copy(update={"decode_context_s": 1e-7})})
+    plain, priced = Planner(CM, WIDE).model_widths(window(40)), Planner(costly, WIDE).model_widths(window(40))
+    assert priced.decode > plain.decode
+    per_seq = e.decode_seq_s + 1e-7 * (1000 + 125)
+    tpot = WIDE.headroom * CM.target(SloClass.TIGHT).tpot_s
+
+    def fits(n: int) -> bool:
+        x = 40 * 250 / n
+        return x * per_seq < 1 and e.step_base_s + per_seq * x * e.step_base_s / (1 - x * per_seq) <= tpot
+
+    assert fits(priced.decode) and not fits(priced.decode - 1)
+
+
 def test_hosted_decodes_leave_the_decode_pool_and_load_the_prefill_pool():
     p = Planner(CM, WIDE)
     alone = p.model_widths(window(40))

@@ -171,6 +171,22 @@ def test_marginal_cost_decode_tau_uses_concurrency_after_admission(cm, queued):
     assert d.decode_cost.own_work_s == approx(50 * tau * (1 + press))
 
 
+@pytest.mark.parametrize("per_instance", [False, True])
+def test_marginal_cost_decode_tau_pays_for_the_context_the_batch_holds(per_instance):
+    # 2 µs per token of context: d0's sequences hold 5,000 tokens, d1's 200, so τ_dec is
+    # 0.011 + 2e-6·(5,000 + 100 + 25) = 0.02125 s on d0 and 0.01165 s on d1: d1 wins though d0's backlog is smaller
+    ctx = engine_dict(decode_context_s=2e-6, kv_capacity_tokens=100_000)  # KV pressure next to nothing
+    cm = make_cost_model(instances={"d0": ctx, "d1": ctx}) if per_instance else make_cost_model(engine=ctx)
+    decode = make_instances(Role.DECODE, backlog_s=[0.0, 0.2], kv_used=[5_000, 200], capacity=100_000)
+    req = make_request(prompt_tokens=100, predicted_output_tokens=50)
+    d = mc(cm).choose(req, make_instances(Role.PREFILL, n=1), decode, now=0.0)
+    assert d.decode_id == "d1"
+    assert d.decode_cost.own_work_s == approx(50 * (0.011 + 2e-6 * (200 + 100 + 25)) * (1 + (200 + 150) / 100_000))
+    # without the term d0's smaller backlog wins
+    plain = make_cost_model(engine=engine_dict(kv_capacity_tokens=100_000))
+    assert mc(plain).choose(req, make_instances(Role.PREFILL, n=1), decode, now=0.0).decode_id == "d0"
+
+
 @pytest.mark.parametrize(
     "prompt, prefill_s",
     [

@@ -108,6 +108,25 @@ def test_a_tight_request_avoids_the_decode_instance_where_its_tpot_would_miss(cm
     assert pol.choose(req(1100, SloClass.TIGHT), prefill, decode, now=0.0).decode_id == "d1"
 
 
+@pytest.mark.parametrize("context_s, expected", [(0.0, "d0"), (4e-6, "d1")])
+def test_a_tight_request_avoids_the_decode_instance_whose_long_contexts_would_make_it_miss(context_s, expected):
+    # d0 holds 1,024 tokens of the prompt (a shorter transfer) and runs as many sequences as d1, but
+    # they hold 8x the context: at 4 µs per token of context a step there takes 0.031 + 0.037 s with
+    # the request, past the 0.05 s tight TPOT target; d1's 0.040 s is within it. KV is ample on both.
+    slow = make_cost_model(engine=engine_dict(prefill_token_s=0.0001, decode_context_s=context_s,
+                                              kv_capacity_tokens=100_000),
+                           transfer={"latency_s": 0.002, "tokens_per_s": 50_000.0})
+    prefill = with_caches(make_instances(Role.PREFILL, n=1, capacity=100_000), [4])
+    decode = with_caches(make_instances(Role.DECODE, backlog_s=[0.2, 0.2], queued=[20, 20], kv_used=[8000, 1000],
+                                        capacity=100_000), [4, 0])
+    pol = build_policy("slo_goodput", slow, {"allow_colocated": False, "allow_hosted": False})
+    d = pol.choose(req(1100, SloClass.TIGHT, out=100), prefill, decode, now=0.0)
+    assert d.decode_id == expected
+    # the explanation's TPOT is the step with the request's own context: its prompt and half its output
+    kv = 8000 if expected == "d0" else 1000
+    assert d.decode_cost.own_work_s == pytest.approx(100 * (0.01 + 0.021 + context_s * (kv + 1100 + 50)))
+
+
 def test_live_views_without_a_prefix_lookup_price_every_prompt_uncached(cm):
     # live views carry no cache and live requests no hashes: the policy still decides, the same way
     # whether the request carries hashes or not

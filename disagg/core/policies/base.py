@@ -145,6 +145,12 @@ def cached_prompt_tokens(v: InstanceView, req: RequestFeatures) -> int:
     return min(blocks, (req.prompt_tokens - 1) // block) * block if blocks else 0
 
 
+def decode_context(v: InstanceView, req: RequestFeatures, out: int) -> int:
+    """The tokens of context a decode step on `v` attends to while the request decodes there, on
+    average: what `v`'s sequences hold (its KV in use), the request's prompt and half its output."""
+    return v.kv_used_tokens + req.prompt_tokens + out // 2
+
+
 def feasible(pool: Sequence[InstanceView], req: RequestFeatures, pool_name: str) -> list[InstanceView]:
     if not pool:
         raise NoCapacity(f"the {pool_name} pool is empty")

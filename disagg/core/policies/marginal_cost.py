@@ -9,8 +9,8 @@ from pydantic import Field
 
 from disagg.core.cost_model import CostModel
 from disagg.core.policies.base import (
-    PairTransfers, Params, Policy, PolicyError, TieBreak, TieBreakParams, cached_prompt_tokens, feasible, fits,
-    register,
+    PairTransfers, Params, Policy, PolicyError, TieBreak, TieBreakParams, cached_prompt_tokens, decode_context,
+    feasible, fits, register,
 )
 from disagg.core.types import CostTerms, Decision, InstanceView, NoCapacity, RequestFeatures, SloClass
 
@@ -89,7 +89,7 @@ class MarginalCost(Policy):
     def decode_terms(self, v: InstanceView, req: RequestFeatures, sigma: float, out: int) -> CostTerms:
         prm = self.params
         press = v.pressure_after(req.prompt_tokens + out)
-        tau_dec = self.cost_model.for_instance(v.instance_id).decode_token_s(v.queued + 1)
+        tau_dec = self.cost_model.for_instance(v.instance_id).decode_token_s(v.queued + 1, decode_context(v, req, out))
         return CostTerms(
             backlog_s=prm.w_backlog * v.backlog_s * sigma,
             own_work_s=prm.w_service * out * tau_dec * (1.0 + prm.rho * press) * sigma,
@@ -145,11 +145,12 @@ class MarginalCost(Policy):
         prm, cm, extra = self.params, self.cost_model, req.prompt_tokens + out
         wb, ws, wq, rho = prm.w_backlog * sigma, prm.w_service * sigma * out, prm.w_queue_s, prm.rho
         if cm.instances:
-            totals = [wb * v.backlog_s + ws * cm.for_instance(v.instance_id).decode_token_s(v.queued + 1)
+            totals = [wb * v.backlog_s
+                      + ws * cm.for_instance(v.instance_id).decode_token_s(v.queued + 1, decode_context(v, req, out))
                       * (1.0 + rho * ((v.kv_used_tokens + extra) / v.kv_capacity_tokens)) + wq * v.queued for v in pool]
         else:
             tau = cm.engine.decode_token_s
-            totals = [wb * v.backlog_s + ws * tau(v.queued + 1)
+            totals = [wb * v.backlog_s + ws * tau(v.queued + 1, decode_context(v, req, out))
                       * (1.0 + rho * ((v.kv_used_tokens + extra) / v.kv_capacity_tokens)) + wq * v.queued for v in pool]
         return self._tie.pick(pool, totals)
 
@@ -284,7 +285,7 @@ class PairCost(MarginalCost):
         prm, cm, extra = self.params, self.cost_model, req.prompt_tokens + out
         wb, ws, rho, wq = prm.w_backlog, prm.w_service, prm.rho, prm.w_queue_s
         return [wb * v.backlog_s * sigma
-                + ws * out * cm.for_instance(v.instance_id).decode_token_s(v.queued + 1)
+                + ws * out * cm.for_instance(v.instance_id).decode_token_s(v.queued + 1, decode_context(v, req, out))
                 * (1.0 + rho * v.pressure_after(extra)) * sigma
                 + wq * v.queued for v in pool]
 

@@ -233,7 +233,7 @@ class SloGoodput(Policy):
             host = _HostLoad(cm, cm.shared_host, prefill, decode, prm.latency_error, self._tpot_floor_s,
                              self._requests.at(now), prm.work_weight / target.ttft_s, out / 2)
         ends = self._prefill_ends(prefill_ok, req, now, host)
-        sites = self._decode_sites(decode_ok, req, now, host)
+        sites = self._decode_sites(decode_ok, req, out, now, host)
         # each kind's cheapest replaces the cheapest so far only if it costs less (or as much and comes
         # first: `_Priced`), and the cost to beat lets the next kind skip its hopeless candidates early
         best = self._best_pair(req, out, target, ends, sites, now, None, host)
@@ -350,7 +350,8 @@ class SloGoodput(Policy):
             uncached = prompt - held
             chunk = max(1, ec.max_batched_tokens - b)
             # beside b decoding sequences, each step prefills (budget − b) tokens and costs them their step
-            work = (ec.prefill_overhead_s + -(-uncached // chunk) * (ec.step_base_s + ec.decode_seq_s * b)
+            chunk_step = ec.step_base_s + ec.decode_seq_s * b + ec.decode_context_s * d.kv_used_tokens
+            work = (ec.prefill_overhead_s + -(-uncached // chunk) * chunk_step
                     + ec.prefill_token_s * uncached + ec.prefill_attention_s * attention_pairs(uncached, held))
             if steps[4] != 1.0:  # on a shared host, at d's stretch
                 work *= steps[4]
@@ -398,6 +399,9 @@ class SloGoodput(Policy):
             steps = memo.get(h)
             if steps is None:
                 steps = memo[h] = _step_times(ec, h)
+            c = ec.decode_context_s
+            if c:  # the context p's hosted decodes hold: at most its KV in use (prompts awaiting hand-off too)
+                steps = _with_context(steps, c, p.kv_used_tokens, prompt, out)
             tau_h, tau_after = steps[0], steps[1]
             extra = 0.0
             if host is not None:  # on a shared host: at p's stretch, and p stays busy while it decodes
@@ -406,7 +410,7 @@ class SloGoodput(Policy):
             ttft = end + overhead  # its last prefill chunk gives the first token
             # its time is taken from the h decodes hosted there (its prefill), and from p's prefills
             # (its decode: ô steps, each longer by one sequence's cost)
-            load = w * (ttft + h * work + out * ec.decode_seq_s) / ttft_t + extra
+            load = w * (ttft + h * work + out * (ec.decode_seq_s + c * (prompt + out // 2))) / ttft_t + extra
             if load > bar:
                 continue
             meets_ttft = 1.0 - 0.5 * erfc((1.0 - ttft / ttft_t) / spread * k)
@@ -429,12 +433,13 @@ class SloGoodput(Policy):
                 best_cost, bar = cost, cost + _COST_ROUNDING
         return best
 
-    def _decode_sites(self, pool: list[InstanceView], req: RequestFeatures, now: float,
+    def _decode_sites(self, pool: list[InstanceView], req: RequestFeatures, out: int, now: float,
                       host: "_HostLoad | None" = None) -> list[tuple]:
         """What pricing a placement on each decode candidate starts from, shared by its pairs and its
         colocated prefill: (its position in `pool`, the instance, its engine constants, b = its running
-        sequences, `_step_times` for b and d's stretch, the colocated prefill still to run there, the
-        prompt tokens it holds cached, the misses that making d busy adds to the host's sequences)."""
+        sequences, `_step_times` for b (with the context they hold, and the request's) and d's stretch,
+        the colocated prefill still to run there, the prompt tokens it holds cached, the misses that
+        making d busy adds to the host's sequences)."""
         cm, hashes = self.cost_model, req.prefix_hashes
         colocated_ends, same_engine = self._colocated_ends, not cm.instances
         ec, memo = cm.engine, self._steps.setdefault(None, {})
@@ -447,6 +452,8 @@ class SloGoodput(Policy):
             steps = memo.get(b)
             if steps is None:
                 steps = memo[b] = _step_times(ec, b)
+            if ec.decode_context_s:
+                steps = _with_context(steps, ec.decode_context_s, d.kv_used_tokens, req.prompt_tokens, out)
             end = colocated_ends.get(did)  # `_colocated_queue_s`, without its min and max where none is left
             pending = min(d.backlog_s, end - now) if end is not None and end > now else 0.0
             held = cached_prompt_tokens(d, req) if hashes else 0
@@ -463,7 +470,7 @@ class SloGoodput(Policy):
         """The TPOT misses a prefill of `work` seconds on `p` adds to the decodes `p` hosts: each gets
         τ_dec(h)/(1 − utilization) per token, and `work` more spread over its (predicted) output."""
         ec, h = self.cost_model.for_instance(p.instance_id), p.hosted
-        tpot = ec.decode_token_s(h) / (1.0 - self._utilization(p.instance_id, now))
+        tpot = ec.decode_token_s(h, p.kv_used_tokens) / (1.0 - self._utilization(p.instance_id, now))
         return h * (_miss(tpot + work / out, self._tpot_floor_s, spread) - _miss(tpot, self._tpot_floor_s, spread))
 
     def _prefill_ends(self, pool: list[InstanceView], req: RequestFeatures, now: float,
@@ -496,6 +503,15 @@ def _step_times(ec: EngineConstants, b: int) -> tuple[float, float, float, float
             ec.step_s(ec.max_batched_tokens - b - 1, b + 1), 1.0)
 
 
+def _with_context(steps: tuple, c: float, held: int, prompt: int, out: int) -> tuple:
+    """`_step_times` with what the context the sequences hold costs each step (`decode_context_s` =
+    c): `held` tokens now (the instance's KV in use), the request's prompt more from its first step,
+    and half its output more on average over its decode."""
+    tau_b, tau_after, step, beside, sigma = steps
+    joined = held + prompt
+    return tau_b + c * held, tau_after + c * (joined + out // 2), step + c * joined, beside + c * joined, sigma
+
+
 def _outside_s(cm: CostModel, host: "_HostLoad | None", handoff: bool) -> float:
     """A placement's time outside the engines: the serving path, and for a pair the hand-off's second
     crossing of it (the prefill call's reply, the decode call), at the host's stretch."""
@@ -525,7 +541,7 @@ class _HostLoad:
         # each busy engine's weight on the host: a prefill instance with prefills queued claims a
         # prefill's share (`SharedHost.prefill_weight`), the others a decode step's
         self.weights: dict[str, float] = {}
-        batches = []  # (instance, engine constants, running sequences) of each busy engine that decodes
+        batches = []  # (instance, engine constants, running sequences, their context) of each busy engine that decodes
         for iid, v in views.items():
             b = v.queued if v.role is not Role.PREFILL else v.hosted
             if b or v.backlog_s > 0:
@@ -533,17 +549,17 @@ class _HostLoad:
                 prefilling = v.role is Role.PREFILL and v.backlog_s > 0
                 self.weights[iid] = host.prefill_weight if prefilling else 1.0
                 if b:
-                    batches.append((iid, cm.for_instance(iid), b))
+                    batches.append((iid, cm.for_instance(iid), b, v.kv_used_tokens))
         self.k = len(self.busy)
         self.weight = sum(self.weights.values())
         # the serving path works for each decoding engine's steps and relays its streams' messages
         # (`SharedHost.serving_cores`), and does each request's own work at the rate they come (`HostShare`)
-        serving = [host.serving_cores(b, ec.step_s(0, b)) for _, ec, b in batches]
+        serving = [host.serving_cores(b, ec.step_s(0, b, 0.0, kv)) for _, ec, b, kv in batches]
         self.tokens = tokens = sum(load for load, _ in serving)
         self.requests = requests = host.request_cores(requests_per_s) + sum(relay for _, relay in serving)
         self.sigma = host.stretch(self.k, tokens, requests, 1.0, self.weight)
         self.sigma_up = host.stretch(self.k + 1, tokens, requests, 1.0, self.weight + 1.0)
-        self.running = [(iid, ec.decode_token_s(b) * self.sigma, b) for iid, ec, b in batches]
+        self.running = [(iid, ec.decode_token_s(b, kv) * self.sigma, b) for iid, ec, b, kv in batches]
         self._harm_up: float | None = None
 
     def prefill_sigma(self, v: InstanceView) -> float:
