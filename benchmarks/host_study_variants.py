@@ -14,9 +14,10 @@ and once with the variant, and each of TTFT and TPOT p50 and p90 is compared wit
   cores, σ = (sharing + a) / (1 − c), instead of σ = sharing + c + a / σ (c the share of every core
   taken at rates of their own, a the steps' work's share at full speed). A form tried and not kept
   (docs/results.md);
-- `decode-context`: every engine's decode steps priced for the context their sequences hold,
-  `decode_context_s` = `--decode-context-s` (`benchmarks/decode_context.py` measures it), on top
-  of the fitted step base and per-sequence cost (the fits' decode probes hold 16 tokens of context).
+- `decode-context`: every engine's decode steps priced for the context their sequences hold at
+  `decode_context_s` = `--decode-context-s` (`benchmarks/decode_context.py` measures it) in place
+  of the fitted one (0 before the fit had the term), beside the fitted step base and per-sequence
+  cost (the fits' short decode probes hold 16 tokens of context); 0 takes the term out.
 Prints each run's four errors under both, and per form: the cells within 15%, the median error,
 each statistic's median error, and the median of live over simulated TTFT per request by prompt
 length.
@@ -107,8 +108,8 @@ def main() -> int:
     ap.add_argument("--work", default=None, help="where the simulations go (default: each study's own folder)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
-    if args.variant == "decode-context" and args.decode_context_s <= 0:
-        ap.error("--variant decode-context needs --decode-context-s > 0")
+    if args.variant == "decode-context" and args.decode_context_s < 0:
+        ap.error("--decode-context-s must be ≥ 0 (seconds per step per token of context)")
     rows = []
     for out in map(Path, args.studies):
         measured = json.loads((out / "host_cpu.json").read_text())

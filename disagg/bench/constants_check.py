@@ -84,7 +84,7 @@ def rejudged(cm: CostModel, check: dict) -> Verdict:
 
 def at_measured_speed(cm: CostModel, verdict: Verdict) -> CostModel:
     """`cm` with its engines' step times scaled to the speed `verdict` measured: decode steps (step
-    base, per-sequence cost) by the decode ratio, lone prefills by the prefill ratio (per-token and
+    base, per-sequence and per-context-token cost) by the decode ratio, lone prefills by the prefill ratio (per-token and
     attention terms by it, the prefill overhead so that a one-chunk prefill, step base included,
     scales by it too). One factor per kind for the whole host (the median over instances and sizes):
     a shared host drifts as one, and a single engine's two probe points are noisier than the drift."""
@@ -94,7 +94,8 @@ def at_measured_speed(cm: CostModel, verdict: Verdict) -> CostModel:
         return e.model_copy(update={
             "prefill_token_s": e.prefill_token_s * pre, "prefill_attention_s": e.prefill_attention_s * pre,
             "prefill_overhead_s": max(0.0, pre * (e.prefill_overhead_s + e.step_base_s) - dec * e.step_base_s),
-            "step_base_s": e.step_base_s * dec, "decode_seq_s": e.decode_seq_s * dec})
+            "step_base_s": e.step_base_s * dec, "decode_seq_s": e.decode_seq_s * dec,
+            "decode_context_s": e.decode_context_s * dec})
 
     return cm.model_copy(update={"engine": scaled(cm.engine),
                                  "instances": {k: scaled(e) for k, e in cm.instances.items()}})

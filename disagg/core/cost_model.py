@@ -112,8 +112,9 @@ class EngineConstants(_Strict):
     def step_s(self, prefill_tokens: int, decode_seqs: int, pairs: float = 0.0, context: int = 0) -> float:
         """One step; `pairs` is Σ `attention_pairs(c, k)` over its prefill chunks, `context` the
         tokens its decoding sequences hold in all."""
-        return (self.step_base_s + self.prefill_token_s * prefill_tokens + self.decode_seq_s * decode_seqs
-                + self.prefill_attention_s * pairs + self.decode_context_s * context)
+        s = (self.step_base_s + self.prefill_token_s * prefill_tokens + self.decode_seq_s * decode_seqs
+             + self.prefill_attention_s * pairs)
+        return s + self.decode_context_s * context if context else s
 
     def prefill_s(self, prompt_tokens: int, context_tokens: int = 0) -> float:
         """A lone prefill of `prompt_tokens` after `context_tokens` already in its KV (a prefix-cache
@@ -125,7 +126,8 @@ class EngineConstants(_Strict):
 
     def decode_token_s(self, concurrency: int, context: int = 0) -> float:
         """τ_dec at a given number of co-running sequences (≥ 1) holding `context` tokens in all."""
-        return self.step_base_s + self.decode_seq_s * max(1, concurrency) + self.decode_context_s * context
+        s = self.step_base_s + self.decode_seq_s * max(1, concurrency)
+        return s + self.decode_context_s * context if context else s
 
     def scaled(self, factor: float) -> "EngineConstants":
         """The same engine with every step-time term scaled by `factor` (a slower or faster device, or

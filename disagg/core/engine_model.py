@@ -266,6 +266,7 @@ class EngineModel:
         self._fin: list[tuple[int, int, int, Job]] = []  # (finish step, seq, epoch, job)
         self._phase = [0] * self.bs  # decoding jobs by base % block_size
         self._context = 0  # Σ base over decoding jobs: at step s they hold _context + len(decoding)·s tokens
+        self._context_s = constants.decode_context_s  # read once: the hot path skips the term when 0
         self.step = 0
         self._seq = 0
         # the step (or macro step) in flight
@@ -429,7 +430,7 @@ class EngineModel:
                 finishing += job.computed + c >= job.prefill_goal
                 if attention:  # each chunk attends to what its job has computed so far (advanced at end_step)
                     pairs += attention_pairs(c, job.computed)
-            context = self._context + n * self.step if n else 0
+            context = self._context + n * self.step if n and self._context_s else 0
             self._dur = self._alone = self.c.step_s(tokens, n, pairs, context) + self.c.prefill_overhead_s * finishing
             if self.share is not None:
                 prefill = prefill_part_s(self.c, self._dur, n, context)
@@ -453,10 +454,10 @@ class EngineModel:
             dur = self._decode_step_s.get(n)
             if dur is None:  # the step time of a decode-only batch depends on its size alone: memoised
                 dur = self._decode_step_s[n] = self.c.step_s(0, n)
-            if self.c.decode_context_s:
+            if self._context_s:
                 # each of the k steps attends to n tokens more than the one before: the macro step's
                 # steps each take their mean (exact in sum; the first is short of it by (k-1)/2 of n tokens)
-                dur += self.c.decode_context_s * (self._context + n * self.step + n * (k - 1) / 2)
+                dur += self._context_s * (self._context + n * self.step + n * (k - 1) / 2)
             self._alone = dur
             if self.share is not None:
                 dur *= self.share.step(self.instance_id, n, dur, now)

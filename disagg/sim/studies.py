@@ -72,10 +72,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def scaled_decode(cm: CostModel, factor: float) -> CostModel:
-    """The same cost model with τ_dec (step base and per-sequence decode cost) scaled."""
+    """The same cost model with τ_dec (step base, per-sequence and per-context-token decode cost) scaled."""
     eng = cm.engine.model_copy(update={
         "step_base_s": cm.engine.step_base_s * factor,
         "decode_seq_s": cm.engine.decode_seq_s * factor,
+        "decode_context_s": cm.engine.decode_context_s * factor,
     })
     return cm.model_copy(update={"engine": eng, "name": f"{cm.name} (τ_dec ×{factor:g})", "instances": {}})
 

@@ -40,6 +40,20 @@ def test_a_probe_measures_exactly_the_named_instance(client):
     assert r.status_code == 200 and 0 < r.json()["seconds"] < 1, r.text
 
 
+def test_a_decode_probe_at_long_context_runs_its_streams_at_that_context(client):
+    """The probe the calibration reads `decode_context_s` from: 16 streams of 1,984-token prompts
+    step 1.5–2.3× slower than of 16-token ones on the CPU profile (docs/results.md), so the medians of
+    three repeats stay in that order."""
+    iid = next(i for i, v in admin_state(client)["instances"].items() if v["role"] == "decode")
+    seconds = {}
+    for context in (16, 1984):
+        r = client.post("/admin/probe", json={"instance": iid, "kind": "decode", "size": 16, "tokens": 16,
+                                              "context": context, "repeats": 3})
+        assert r.status_code == 200 and r.json()["context"] == context, r.text
+        seconds[context] = r.json()["seconds"]
+    assert seconds[1984] > seconds[16], seconds
+
+
 def test_a_repeated_seed_still_times_a_whole_prefill(client):
     """A rerun of a calibration (or a bench's constants check) sends the same seeds: the prompt must
     still be new to the prefix cache, or the probe times a prefill of one block and the fit learns a
@@ -61,6 +75,8 @@ def test_a_repeated_seed_still_times_a_whole_prefill(client):
     ({"instance": "<live>", "kind": "decode", "size": 65}, "size"),  # max_num_seqs 64
     ({"instance": "<live>", "kind": "decode", "size": 2, "tokens": 1}, "tokens"),
     ({"instance": "<live>", "kind": "decode", "size": 2, "seed": -1}, "seed"),
+    ({"instance": "<live>", "kind": "decode", "size": 2, "context": 0}, "context"),
+    ({"instance": "<live>", "kind": "decode", "size": 2, "tokens": 32, "context": 2017}, "context"),  # + 32 > 2048
 ])
 def test_a_bad_probe_is_a_400_naming_the_field(client, body, param):
     live = next(iter(admin_state(client)["instances"]))

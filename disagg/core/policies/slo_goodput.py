@@ -410,7 +410,8 @@ class SloGoodput(Policy):
             ttft = end + overhead  # its last prefill chunk gives the first token
             # its time is taken from the h decodes hosted there (its prefill), and from p's prefills
             # (its decode: ô steps, each longer by one sequence's cost)
-            load = w * (ttft + h * work + out * (ec.decode_seq_s + c * (prompt + out // 2))) / ttft_t + extra
+            own = out * (ec.decode_seq_s + c * (prompt + out // 2)) if c else out * ec.decode_seq_s
+            load = w * (ttft + h * work + own) / ttft_t + extra
             if load > bar:
                 continue
             meets_ttft = 1.0 - 0.5 * erfc((1.0 - ttft / ttft_t) / spread * k)
@@ -443,17 +444,19 @@ class SloGoodput(Policy):
         cm, hashes = self.cost_model, req.prefix_hashes
         colocated_ends, same_engine = self._colocated_ends, not cm.instances
         ec, memo = cm.engine, self._steps.setdefault(None, {})
+        c = ec.decode_context_s
         sites = []
         for i, d in enumerate(pool):
             did = d.instance_id
             if not same_engine:
                 ec, memo = cm.for_instance(did), self._steps.setdefault(did, {})
+                c = ec.decode_context_s
             b = d.queued
             steps = memo.get(b)
             if steps is None:
                 steps = memo[b] = _step_times(ec, b)
-            if ec.decode_context_s:
-                steps = _with_context(steps, ec.decode_context_s, d.kv_used_tokens, req.prompt_tokens, out)
+            if c:
+                steps = _with_context(steps, c, d.kv_used_tokens, req.prompt_tokens, out)
             end = colocated_ends.get(did)  # `_colocated_queue_s`, without its min and max where none is left
             pending = min(d.backlog_s, end - now) if end is not None and end > now else 0.0
             held = cached_prompt_tokens(d, req) if hashes else 0
