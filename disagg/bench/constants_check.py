@@ -84,9 +84,9 @@ def rejudged(cm: CostModel, check: dict) -> Verdict:
 
 def at_measured_speed(cm: CostModel, verdict: Verdict) -> CostModel:
     """`cm` with its engines' step times scaled to the speed `verdict` measured: decode steps (step
-    base, per-sequence and per-context-token cost) by the decode ratio, lone prefills by the prefill ratio (per-token and
-    attention terms by it, the prefill overhead so that a one-chunk prefill, step base included,
-    scales by it too). One factor per kind for the whole host (the median over instances and sizes):
+    base, per-sequence and per-context-token cost) by the decode ratio, lone prefills by the
+    prefill ratio (per-token and attention terms by it, the prefill overhead so that a one-chunk
+    prefill, step base included, scales by it too). One factor per kind for the whole host (the median over instances and sizes):
     a shared host drifts as one, and a single engine's two probe points are noisier than the drift."""
     pre, dec = verdict.ratios.get("prefill", 1.0), verdict.ratios.get("decode", 1.0)
 
