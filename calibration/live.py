@@ -24,8 +24,8 @@ from typing import Callable
 
 from calibration.fit import InstanceSamples, Sample
 from calibration.measure import Plan
-from serve_app.messages import PROBE_CONTEXT
 from disagg.core.cost_model import CostModel
+from serve_app.messages import PROBE_CONTEXT
 
 PROBE_TIMEOUT_S = 90.0  # one probe over HTTP: the router's own bound (60 s) plus the hops
 

@@ -33,8 +33,8 @@ from typing import Callable, NamedTuple
 from calibration.fit import Measurements, Sample
 from disagg.core.types import Role
 from serve_app.config import AppConfig
-from serve_app.messages import PROBE_CONTEXT
 from serve_app.engine import VllmEngine
+from serve_app.messages import PROBE_CONTEXT
 from serve_app.probes import median_step_s
 
 GREEDY = {"temperature": 0.0}
