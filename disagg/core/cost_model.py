@@ -114,7 +114,8 @@ class EngineConstants(_Strict):
         tokens its decoding sequences hold in all."""
         s = (self.step_base_s + self.prefill_token_s * prefill_tokens + self.decode_seq_s * decode_seqs
              + self.prefill_attention_s * pairs)
-        return s + self.decode_context_s * context if context else s
+        c = self.decode_context_s  # 0 on every profile without the term: the hot paths skip it
+        return s + c * context if c else s
 
     def prefill_s(self, prompt_tokens: int, context_tokens: int = 0) -> float:
         """A lone prefill of `prompt_tokens` after `context_tokens` already in its KV (a prefix-cache
@@ -127,7 +128,8 @@ class EngineConstants(_Strict):
     def decode_token_s(self, concurrency: int, context: int = 0) -> float:
         """τ_dec at a given number of co-running sequences (≥ 1) holding `context` tokens in all."""
         s = self.step_base_s + self.decode_seq_s * max(1, concurrency)
-        return s + self.decode_context_s * context if context else s
+        c = self.decode_context_s
+        return s + c * context if c else s
 
     def scaled(self, factor: float) -> "EngineConstants":
         """The same engine with every step-time term scaled by `factor` (a slower or faster device, or

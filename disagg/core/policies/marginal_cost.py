@@ -150,9 +150,8 @@ class MarginalCost(Policy):
                       * (1.0 + rho * ((v.kv_used_tokens + extra) / v.kv_capacity_tokens)) + wq * v.queued for v in pool]
         else:
             tau = cm.engine.decode_token_s
-            # `decode_context(v, req, out)` written out, and 0 where the term is (the same floats)
-            own = req.prompt_tokens + out // 2 if cm.engine.decode_context_s else None
-            totals = [wb * v.backlog_s + ws * tau(v.queued + 1, 0 if own is None else v.kv_used_tokens + own)
+            own = req.prompt_tokens + out // 2  # `decode_context(v, req, out)`, written out: the hot loop
+            totals = [wb * v.backlog_s + ws * tau(v.queued + 1, v.kv_used_tokens + own)
                       * (1.0 + rho * ((v.kv_used_tokens + extra) / v.kv_capacity_tokens)) + wq * v.queued for v in pool]
         return self._tie.pick(pool, totals)
 
